@@ -1,0 +1,58 @@
+"""ctypes mirrors of the structs in bpf/sched.h.
+
+BCC builds its own ctypes types from the compiled program; these mirrors exist
+so the reader can allocate batch buffers without a loaded program and so a
+test can check that both agree field by field (tests/kernel/test_layout.py).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+
+
+class TaskInfo(ct.Structure):
+    _fields_ = [
+        ("ts", ct.c_uint64),
+        ("cgid", ct.c_uint64),
+        ("preemptor_cgid", ct.c_uint64),
+        ("state", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class HistKey(ct.Structure):
+    _fields_ = [("cgid", ct.c_uint64), ("kind", ct.c_uint32), ("slot", ct.c_uint32)]
+
+
+class HistVal(ct.Structure):
+    _fields_ = [("count", ct.c_uint64), ("sum_ns", ct.c_uint64)]
+
+
+class PairKey(ct.Structure):
+    _fields_ = [("victim_cgid", ct.c_uint64), ("preemptor_cgid", ct.c_uint64)]
+
+
+class PairVal(ct.Structure):
+    _fields_ = [("count", ct.c_uint64), ("wait_ns", ct.c_uint64)]
+
+
+class CgroupVal(ct.Structure):
+    _fields_ = [
+        ("migrations", ct.c_uint64),
+        ("untraced_switch_in", ct.c_uint64),
+        ("untraced_switch_out", ct.c_uint64),
+        ("untraced_wakeup", ct.c_uint64),
+    ]
+
+
+# map name -> (key type, value type) as declared in bpf/sched.bpf.c
+MAP_TYPES: dict[str, tuple[type, type]] = {
+    "tasks": (ct.c_uint32, TaskInfo),
+    "hists": (HistKey, HistVal),
+    "pairs": (PairKey, PairVal),
+    "cgroups": (ct.c_uint64, CgroupVal),
+    "errors": (ct.c_uint32, ct.c_uint64),
+}
+
+# index in the errors array -> the map whose update failed (bpf/sched.h ERR_*)
+ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups")

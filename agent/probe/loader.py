@@ -1,0 +1,169 @@
+"""Loads bpf/sched.bpf.c with BCC, reads its maps, hands out snapshots.
+
+The only module that imports bcc. Maps are read with BPF_MAP_LOOKUP_BATCH in
+fixed-size chunks (one syscall per chunk instead of two per entry).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+import time
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from agent.probe.features import Features
+from agent.probe.layout import ERROR_MAPS, MAP_TYPES, CgroupVal, HistKey, HistVal, PairKey, PairVal
+from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
+
+BATCH = 512
+
+
+@dataclass(frozen=True)
+class MapSizes:
+    """max_entries of each map. Memory, per map: entries x value x possible CPUs
+    for the per-CPU maps, entries x (key + value) for the task map, plus about
+    100 bytes of kernel bookkeeping per entry (docs/memory.md)."""
+
+    tasks: int = 65536
+    hists: int = 32768
+    pairs: int = 8192
+    cgroups: int = 2048
+
+
+def bpf_source_dir() -> Path:
+    """bpf/ in a checkout, agent/bpf in an installed package."""
+    return Path(str(files("agent.bpf")))
+
+
+def cflags(features: Features, sizes: MapSizes) -> list[str]:
+    values = {
+        "PREEMPT_BIT": features.states.preempt,
+        "STATE_D": features.states.d,
+        "STATE_DEAD": features.states.dead,
+        "MAX_TASKS": sizes.tasks,
+        "MAX_HIST": sizes.hists,
+        "MAX_PAIRS": sizes.pairs,
+        "MAX_CGROUPS": sizes.cgroups,
+    }
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 0 or value >= 1 << 32:
+            raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")
+    return [f"-I{bpf_source_dir()}"] + [f"-D{k}={v:#x}" for k, v in values.items()]
+
+
+def monotonic_ns() -> int:
+    """CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns()."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+class Probe:
+    """The loaded BPF programs. Create with Probe.load(); close() detaches."""
+
+    def __init__(self, bpf, ncpu: int) -> None:
+        self._bpf = bpf
+        self._ncpu = ncpu
+        self._lib = __import__("bcc").libbcc.lib
+        self._buffers: dict[str, tuple] = {}
+        self.load_mono_ns = monotonic_ns()
+        self.load_wall = time.time()
+
+    @classmethod
+    def load(cls, features: Features, sizes: MapSizes = MapSizes()) -> "Probe":
+        from bcc import BPF  # noqa: PLC0415  (bcc only where BPF is loaded)
+
+        src = bpf_source_dir() / "sched.bpf.c"
+        bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes))
+        ncpu = len(bpf["errors"].getvalue(0))
+        return cls(bpf, ncpu)
+
+    @property
+    def bpf(self):
+        return self._bpf
+
+    def close(self) -> None:
+        if self._bpf is not None:
+            self._bpf.cleanup()
+            self._bpf = None
+
+    def program_fds(self) -> dict[str, int]:
+        """Program name (the tracepoint) -> fd, for the kernel's cost counters."""
+        out = {}
+        for name, fn in self._bpf.funcs.items():
+            short = name.decode().rsplit("__", 1)[-1]
+            out[short] = fn.fd
+        return out
+
+    def baseline(self) -> ProbeSnapshot:
+        """The all-zero snapshot of the moment the programs were attached."""
+        return ProbeSnapshot(mono_ns=self.load_mono_ns, wall=self.load_wall)
+
+    def snapshot(self) -> ProbeSnapshot:
+        mono = monotonic_ns()
+        wall = time.time()
+        hists: dict[tuple[int, int], dict[int, Bucket]] = {}
+        for key, vals in self._read("hists"):
+            count = sum(v.count for v in vals)
+            if count:
+                hists.setdefault((key.cgid, key.kind), {})[key.slot] = Bucket(count, sum(v.sum_ns for v in vals))
+        pairs = {}
+        for key, vals in self._read("pairs"):
+            pairs[(key.victim_cgid, key.preemptor_cgid)] = PairCounters(
+                sum(v.count for v in vals), sum(v.wait_ns for v in vals))
+        cgroups = {}
+        for key, vals in self._read("cgroups"):
+            cgroups[int(key.value)] = CgroupCounters(
+                migrations=sum(v.migrations for v in vals),
+                untraced_switch_in=sum(v.untraced_switch_in for v in vals),
+                untraced_switch_out=sum(v.untraced_switch_out for v in vals),
+                untraced_wakeup=sum(v.untraced_wakeup for v in vals),
+            )
+        err_table = self._bpf["errors"]
+        errors = {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
+        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=hists, pairs=pairs, cgroups=cgroups,
+                             errors=errors, programs=self.program_stats())
+
+    def program_stats(self) -> dict[str, ProgramStats]:
+        """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero
+        unless kernel.bpf_stats_enabled is on)."""
+        out = {}
+        for name, fd in self.program_fds().items():
+            fields = {}
+            try:
+                for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+                    k, _, v = line.partition(":")
+                    fields[k.strip()] = v.strip()
+            except OSError:
+                continue
+            out[name] = ProgramStats(int(fields.get("run_cnt", 0)), int(fields.get("run_time_ns", 0)))
+        return out
+
+    def _read(self, name: str):
+        """All (key, per-CPU values) of a per-CPU hash map, in batches."""
+        key_t, val_t = MAP_TYPES[name]
+        if name not in self._buffers:
+            keys = (key_t * BATCH)()
+            vals = ((val_t * self._ncpu) * BATCH)()
+            self._buffers[name] = (keys, vals)
+        keys, vals = self._buffers[name]
+        fd = self._bpf[name].map_fd
+        in_batch = ct.c_uint32(0)
+        out_batch = ct.c_uint32(0)
+        first = True
+        while True:
+            count = ct.c_uint32(BATCH)
+            res = self._lib.bpf_lookup_batch(fd, None if first else ct.byref(in_batch), ct.byref(out_batch),
+                                             ct.byref(keys), ct.byref(vals), ct.byref(count))
+            err = ct.get_errno()
+            # The views point into the reused buffers: the caller reduces each
+            # entry before asking for the next one.
+            for i in range(count.value):
+                yield keys[i], vals[i]
+            if res != 0:
+                if err == errno.ENOENT:
+                    break
+                raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+            first = False
+            in_batch.value = out_batch.value

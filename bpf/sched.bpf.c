@@ -1,0 +1,203 @@
+/* slatrace: per-cgroup scheduler accounting on classic sched tracepoints.
+ *
+ * Only tracepoint arguments and stable helpers are read, never kernel structs:
+ * BCC takes the argument layout from the live tracefs format files, so the
+ * programs stay correct even when compiled against another kernel's headers.
+ *
+ * Compile-time options (-D, built and validated by agent/probe/features.py):
+ *   PREEMPT_BIT   sched_switch prev_state bit of an involuntary switch
+ *   STATE_D       prev_state bit of uninterruptible sleep
+ *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
+ *   MAX_TASKS, MAX_HIST, MAX_PAIRS, MAX_CGROUPS   map sizes
+ */
+#include "sched.h"
+
+/* Per-task state machine, keyed by tid. LRU so that exits we miss and PID
+ * reuse can never fill it. */
+BPF_TABLE("lru_hash", u32, struct task_info, tasks, MAX_TASKS);
+/* Counters: per CPU, so the hot path needs no atomics. User space sums CPUs. */
+BPF_TABLE("percpu_hash", struct hist_key, struct hist_val, hists, MAX_HIST);
+BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, pairs, MAX_PAIRS);
+BPF_TABLE("percpu_hash", u64, struct cgroup_val, cgroups, MAX_CGROUPS);
+BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
+
+static __always_inline void count_error(u32 which)
+{
+    u64 *e = errors.lookup(&which);
+    if (e)
+        (*e)++;
+}
+
+static __always_inline u32 hist_slot(u64 v)
+{
+    if (v < (1ULL << HIST_MIN_SHIFT))
+        return 0;
+    u32 k = bpf_log2l(v) - 1; /* bpf_log2l returns floor(log2(v)) + 1 */
+    if (k > HIST_MAX_SHIFT)
+        return HIST_SLOTS - 1;
+    u32 sub = (v >> (k - HIST_SUB_SHIFT)) & (HIST_SUB - 1);
+    return 1 + (k - HIST_MIN_SHIFT) * HIST_SUB + sub;
+}
+
+static __always_inline void hist_add(u64 cgid, u32 kind, u64 v)
+{
+    struct hist_key key = {.cgid = cgid, .kind = kind, .slot = hist_slot(v)};
+    struct hist_val *val = hists.lookup(&key);
+    if (val) {
+        val->count++;
+        val->sum_ns += v;
+        return;
+    }
+    struct hist_val init = {.count = 1, .sum_ns = v};
+    if (hists.update(&key, &init))
+        count_error(ERR_HIST);
+}
+
+static __always_inline void pair_add(u64 victim, u64 preemptor, u64 wait)
+{
+    struct pair_key key = {.victim_cgid = victim, .preemptor_cgid = preemptor};
+    struct pair_val *val = pairs.lookup(&key);
+    if (val) {
+        val->count++;
+        val->wait_ns += wait;
+        return;
+    }
+    struct pair_val init = {.count = 1, .wait_ns = wait};
+    if (pairs.update(&key, &init))
+        count_error(ERR_PAIR);
+}
+
+/* field: offset of a __u64 in struct cgroup_val, in units of __u64 */
+static __always_inline void cgroup_count(u64 cgid, u32 field)
+{
+    struct cgroup_val *val = cgroups.lookup(&cgid);
+    if (val) {
+        ((u64 *)val)[field & 3]++;
+        return;
+    }
+    struct cgroup_val init = {};
+    ((u64 *)&init)[field & 3] = 1;
+    if (cgroups.update(&cgid, &init))
+        count_error(ERR_CGROUP);
+}
+
+#define CG_MIGRATIONS 0
+#define CG_UNTRACED_SWITCH_IN 1
+#define CG_UNTRACED_SWITCH_OUT 2
+#define CG_UNTRACED_WAKEUP 3
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    u64 now = bpf_ktime_get_ns();
+    u32 prev_pid = args->prev_pid;
+    u32 next_pid = args->next_pid;
+    long prev_state = args->prev_state;
+    u64 next_cgid = 0;
+
+    /* Switch-in: the run-queue wait ends. pid 0 is the per-CPU idle task. */
+    if (next_pid) {
+        struct task_info *n = tasks.lookup(&next_pid);
+        if (n) {
+            next_cgid = n->cgid;
+            u32 st = n->state;
+            if (st == TS_RUNNABLE || st == TS_PREEMPTED) {
+                u64 wait = now - n->ts;
+                hist_add(next_cgid, HIST_RUNQ, wait);
+                if (st == TS_PREEMPTED)
+                    pair_add(next_cgid, n->preemptor_cgid, wait);
+            } else if (st == TS_RUNNING) {
+                cgroup_count(next_cgid, CG_UNTRACED_SWITCH_OUT);
+            } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
+                cgroup_count(next_cgid, CG_UNTRACED_WAKEUP);
+            }
+            n->state = TS_RUNNING;
+            n->ts = now;
+        }
+    }
+
+    if (!prev_pid)
+        return 0;
+
+    /* Switch-out: the current task is prev, so its cgroup is at hand. */
+    u32 st;
+    if (prev_state & PREEMPT_BIT)
+        st = TS_PREEMPTED;
+    else if ((prev_state & (PREEMPT_BIT - 1)) == 0)
+        st = TS_RUNNABLE; /* yield: runnable, but not preempted */
+    else if (prev_state & STATE_DEAD)
+        return 0;         /* exiting: sched_process_exit dropped the entry */
+    else if (prev_state & STATE_D)
+        st = TS_BLOCKED;
+    else
+        st = TS_SLEEPING;
+
+    u64 cgid = bpf_get_current_cgroup_id();
+    struct task_info *p = tasks.lookup(&prev_pid);
+    if (p) {
+        if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
+            cgroup_count(cgid, CG_UNTRACED_SWITCH_IN);
+        p->ts = now;
+        p->cgid = cgid;
+        p->preemptor_cgid = next_cgid;
+        p->state = st;
+        return 0;
+    }
+    struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = st};
+    if (tasks.update(&prev_pid, &init))
+        count_error(ERR_TASK);
+    return 0;
+}
+
+static __always_inline int on_wakeup(u32 pid)
+{
+    struct task_info *t = tasks.lookup(&pid);
+    if (!t)
+        return 0; /* never seen on a CPU: its cgroup is unknown */
+    u32 st = t->state;
+    /* A wakeup of a running or already queued task changes nothing: the
+     * enqueue time of a queued task stays the first one. */
+    if (st == TS_RUNNING || st == TS_RUNNABLE || st == TS_PREEMPTED)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    if (st == TS_BLOCKED)
+        hist_add(t->cgid, HIST_IOWAIT, now - t->ts);
+    t->state = TS_RUNNABLE;
+    t->ts = now;
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    return on_wakeup(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    return on_wakeup(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_migrate_task)
+{
+    u32 pid = args->pid;
+    struct task_info *t = tasks.lookup(&pid);
+    if (t)
+        cgroup_count(t->cgid, CG_MIGRATIONS);
+    return 0;
+}
+
+/* The child starts in its parent's cgroup; the parent is current here. */
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    u32 child = args->child_pid;
+    struct task_info init = {.cgid = bpf_get_current_cgroup_id(), .state = TS_SLEEPING};
+    if (tasks.update(&child, &init))
+        count_error(ERR_TASK);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_process_exit)
+{
+    u32 pid = args->pid;
+    tasks.delete(&pid);
+    return 0;
+}

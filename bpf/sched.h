@@ -1,0 +1,75 @@
+/* Structures shared by bpf/sched.bpf.c and agent/probe/layout.py.
+ * Every field is naturally aligned and padded explicitly so the layout is the
+ * same for clang (BPF) and ctypes; tests/kernel/test_layout.py checks it. */
+#ifndef SLATRACE_SCHED_H
+#define SLATRACE_SCHED_H
+
+/* Log-linear histogram: values below 2^HIST_MIN_SHIFT ns go to slot 0; each
+ * power of two from 2^HIST_MIN_SHIFT to 2^HIST_MAX_SHIFT ns is split into
+ * HIST_SUB linear sub-buckets; anything at or above 2^(HIST_MAX_SHIFT+1) ns goes
+ * to the last slot. 256 ns .. 34.4 s with 16 sub-buckets = 434 slots. */
+#define HIST_MIN_SHIFT 8
+#define HIST_MAX_SHIFT 34
+#define HIST_SUB_SHIFT 4
+#define HIST_SUB (1 << HIST_SUB_SHIFT)
+#define HIST_SLOTS (2 + (HIST_MAX_SHIFT - HIST_MIN_SHIFT + 1) * HIST_SUB)
+
+/* hist_key.kind */
+#define HIST_RUNQ 0
+#define HIST_IOWAIT 1
+
+/* task_info.state */
+#define TS_UNKNOWN 0
+#define TS_RUNNING 1
+#define TS_RUNNABLE 2   /* woken, new, or switched out while runnable (yield) */
+#define TS_PREEMPTED 3  /* switched out involuntarily; preemptor_cgid is set */
+#define TS_SLEEPING 4
+#define TS_BLOCKED 5    /* uninterruptible sleep (D state) */
+
+/* stat_key.counter */
+#define ERR_TASK 0        /* task map update failed */
+#define ERR_HIST 1        /* histogram map update failed (full) */
+#define ERR_PAIR 2        /* preemption map update failed (full) */
+#define ERR_CGROUP 3      /* per-cgroup counter map update failed (full) */
+#define NR_ERRORS 4
+
+struct task_info {
+    __u64 ts;              /* ns, CLOCK_MONOTONIC, when the current state began */
+    __u64 cgid;            /* cgroup v2 id, remembered while the task was current */
+    __u64 preemptor_cgid;  /* who took the CPU, when state == TS_PREEMPTED */
+    __u32 state;
+    __u32 pad;
+};
+
+struct hist_key {
+    __u64 cgid;
+    __u32 kind;            /* HIST_RUNQ or HIST_IOWAIT */
+    __u32 slot;
+};
+
+struct hist_val {
+    __u64 count;
+    __u64 sum_ns;          /* exact sum of the values that fell into this slot */
+};
+
+struct pair_key {
+    __u64 victim_cgid;
+    __u64 preemptor_cgid;
+};
+
+struct pair_val {
+    __u64 count;           /* preemptions of victim by preemptor */
+    __u64 wait_ns;         /* run-queue wait that followed them */
+};
+
+/* Gaps in the event stream. Some context switches are never traced (seen on
+ * VMs), so the state machine can find a task in a state the next event cannot
+ * follow from; it counts the gap instead of inventing a wait. */
+struct cgroup_val {
+    __u64 migrations;
+    __u64 untraced_switch_in;   /* switch-out of a task still marked runnable */
+    __u64 untraced_switch_out;  /* switch-in of a task already marked running */
+    __u64 untraced_wakeup;      /* switch-in of a task still marked asleep */
+};
+
+#endif

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Idempotent host set-up for slatrace: Debian packages, a kernel-headers
+# fallback for BCC, tracefs, and the project venv. Used by `make setup`,
+# `make run`, `make test` and the Dockerfile, so every install step lives here.
+#
+#   scripts/setup.sh           everything (host packages + venv)
+#   scripts/setup.sh --host    packages, headers fallback and tracefs only
+#   scripts/setup.sh --venv    the venv only
+#   SLATRACE_SETUP_TEST=1      also the packages the test suite and benchmarks use
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv="${SLATRACE_VENV:-$here/.venv}"
+mode="${1:-all}"
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (apt-get, mounting tracefs and loading BPF need it): sudo make setup"
+
+apt_updated=0
+apt_install() {
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ $apt_updated -eq 0 ]; then
+        log "apt-get update"
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    log "installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+setup_host() {
+    # Debian's BCC (the PyPI package called "bcc" is an unrelated library).
+    apt_install python3-bpfcc python3-venv python3-pip ca-certificates
+    if [ "${SLATRACE_SETUP_TEST:-0}" = 1 ]; then
+        apt_install bpfcc-tools stress-ng rt-tests linux-perf bpftool prometheus util-linux libcap2-bin
+    fi
+
+    # BCC compiles against /lib/modules/$(uname -r)/build. When the running
+    # kernel has no headers, point it at Debian's generic ones. Our BPF code
+    # reads only tracepoint args, whose layout BCC takes from tracefs, so the
+    # header version does not change what the programs compute.
+    local kver moddir
+    kver=$(uname -r)
+    moddir="/lib/modules/$kver"
+    if [ ! -e "$moddir/build/include" ] && [ -z "${BCC_KERNEL_SOURCE:-}" ]; then
+        apt_install linux-headers-amd64
+        local hdr common
+        hdr=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n 1)
+        common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
+        [ -n "$hdr" ] && [ -n "$common" ] || die "no kernel headers under /usr/src after installing linux-headers-amd64"
+        mkdir -p "$moddir"
+        ln -sfn "$hdr" "$moddir/build"
+        ln -sfn "$common" "$moddir/source"
+        log "kernel headers for $kver missing: using $hdr"
+    fi
+
+    # tracefs: BCC reads tracepoint formats from it.
+    if [ ! -e /sys/kernel/tracing/events/sched/sched_switch/format ]; then
+        mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null \
+            || die "cannot mount tracefs at /sys/kernel/tracing"
+        log "mounted tracefs at /sys/kernel/tracing"
+    fi
+    # BCC still looks under debugfs on some versions.
+    if [ -d /sys/kernel/debug ] && [ ! -e /sys/kernel/debug/tracing/events ]; then
+        mountpoint -q /sys/kernel/debug || mount -t debugfs nodev /sys/kernel/debug 2>/dev/null || true
+    fi
+}
+
+setup_venv() {
+    # The venv must see Debian's bcc module in /usr/lib/python3/dist-packages,
+    # so it is built from the system python with system site packages.
+    if [ ! -x "$venv/bin/python" ]; then
+        log "creating $venv"
+        /usr/bin/python3 -m venv --system-site-packages "$venv"
+    fi
+    local stamp="$venv/.slatrace-installed"
+    if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
+        log "installing slatrace and its dependencies into $venv"
+        "$venv/bin/pip" install -q --disable-pip-version-check -e "$here[test]"
+        touch "$stamp"
+    fi
+    "$venv/bin/python" -c "import bcc" 2>/dev/null \
+        || die "the venv cannot import bcc: is python3-bpfcc installed for /usr/bin/python3?"
+}
+
+case "$mode" in
+    all) setup_host; setup_venv ;;
+    --host) setup_host ;;
+    --venv) setup_venv ;;
+    *) die "unknown argument $mode (use --host or --venv)" ;;
+esac
