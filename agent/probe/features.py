@@ -75,28 +75,18 @@ def parse_switch_states(format_text: str) -> SwitchStates:
     old ones; the format prints it as "+", so take it from there.
     """
     fmt = next((line for line in format_text.splitlines() if line.startswith("print fmt:")), "")
-    m = re.search(r'REC->prev_state & (\(.*?\)) \? "\+"', fmt)
-    if not m:
+    plus = fmt.find('? "+"')
+    start = fmt.rfind("REC->prev_state & ", 0, plus)
+    if plus < 0 or start < 0:
         raise ValueError("sched_switch format has no preempt (\"+\") flag")
-    preempt = _eval_int(_balanced(m.group(1)))
-    flags = {name: int(value, 16) for value, name in re.findall(r'\{ *(0x[0-9a-fA-F]+), *"(\w)" *\}', fmt)}
+    preempt = _eval_int(fmt[start + len("REC->prev_state & "):plus])
+    flags = {name: int(value, 0) for value, name in re.findall(r'\{ *(0x[0-9a-fA-F]+|\d+), *"(\w)" *\}', fmt)}
     if "D" not in flags:
         raise ValueError("sched_switch format names no D state")
     dead = flags.get("X", 0) | flags.get("Z", 0)
     if preempt <= 0 or preempt & (preempt - 1):
         raise ValueError(f"preempt flag {preempt:#x} is not a single bit")
     return SwitchStates(preempt=preempt, d=flags["D"], dead=dead)
-
-
-def _balanced(text: str) -> str:
-    """The shortest prefix of text with balanced parentheses."""
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += ch == "("
-        depth -= ch == ")"
-        if depth == 0:
-            return text[: i + 1]
-    raise ValueError(f"unbalanced parentheses in {text!r}")
 
 
 def effective_caps(status_text: str) -> int:
@@ -107,7 +97,10 @@ def effective_caps(status_text: str) -> int:
 def check_privileges(status_text: str | None = None) -> None:
     status_text = status_text if status_text is not None else Path("/proc/self/status").read_text()
     caps = effective_caps(status_text)
-    has = lambda bit: bool(caps >> bit & 1)  # noqa: E731
+
+    def has(bit: int) -> bool:
+        return bool(caps >> bit & 1)
+
     if has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON)):
         return
     raise FeatureError(

@@ -11,9 +11,9 @@ import errno
 import os
 import time
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 
+import agent
 from agent.probe.features import Features
 from agent.probe.layout import ERROR_MAPS, MAP_TYPES, CgroupVal, HistKey, HistVal, PairKey, PairVal
 from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
@@ -34,8 +34,13 @@ class MapSizes:
 
 
 def bpf_source_dir() -> Path:
-    """bpf/ in a checkout, agent/bpf in an installed package."""
-    return Path(str(files("agent.bpf")))
+    """agent/bpf in an installed package (pyproject maps bpf/ there), bpf/ in a
+    checkout or an editable install."""
+    package = Path(agent.__file__).parent
+    for candidate in (package / "bpf", package.parent / "bpf"):
+        if (candidate / "sched.bpf.c").is_file():
+            return candidate
+    raise FileNotFoundError(f"sched.bpf.c not found in {package / 'bpf'} or {package.parent / 'bpf'}: reinstall slatrace")
 
 
 def cflags(features: Features, sizes: MapSizes) -> list[str]:
@@ -76,7 +81,7 @@ class Probe:
 
         src = bpf_source_dir() / "sched.bpf.c"
         bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes))
-        ncpu = len(bpf["errors"].getvalue(0))
+        ncpu = len(bpf[b"errors"].getvalue(0))
         return cls(bpf, ncpu)
 
     @property
@@ -114,13 +119,13 @@ class Probe:
                 sum(v.count for v in vals), sum(v.wait_ns for v in vals))
         cgroups = {}
         for key, vals in self._read("cgroups"):
-            cgroups[int(key.value)] = CgroupCounters(
+            cgroups[int(key)] = CgroupCounters(
                 migrations=sum(v.migrations for v in vals),
                 untraced_switch_in=sum(v.untraced_switch_in for v in vals),
                 untraced_switch_out=sum(v.untraced_switch_out for v in vals),
                 untraced_wakeup=sum(v.untraced_wakeup for v in vals),
             )
-        err_table = self._bpf["errors"]
+        err_table = self._bpf[b"errors"]
         errors = {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
         return ProbeSnapshot(mono_ns=mono, wall=wall, hists=hists, pairs=pairs, cgroups=cgroups,
                              errors=errors, programs=self.program_stats())
@@ -148,7 +153,7 @@ class Probe:
             vals = ((val_t * self._ncpu) * BATCH)()
             self._buffers[name] = (keys, vals)
         keys, vals = self._buffers[name]
-        fd = self._bpf[name].map_fd
+        fd = self._bpf[name.encode()].map_fd
         in_batch = ct.c_uint32(0)
         out_batch = ct.c_uint32(0)
         first = True

@@ -1,0 +1,28 @@
+# slatrace: `make run` starts the agent on this host, `make test` runs the whole
+# suite. Both do the set-up first (scripts/setup.sh, idempotent).
+VENV ?= .venv
+PYTEST_ARGS ?=
+ARGS ?=
+
+.PHONY: setup setup-test run test test-unit bench clean
+
+setup:
+	scripts/setup.sh
+
+setup-test:
+	SLATRACE_SETUP_TEST=1 scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/slatrace run $(ARGS)
+
+test: setup-test
+	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS) tests
+
+test-unit: setup
+	$(VENV)/bin/python -m pytest -q tests/unit
+
+bench: setup-test
+	$(VENV)/bin/python -m bench.run $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,120 @@
+"""The HTTP API as a pure function of the agent's state: (method, path, query)
+-> Response. The server module only moves bytes; tests call this directly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import parse_qs
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from agent.attribution.attribution import attribution
+from agent.config import Config
+from agent.store.store import Store
+
+DEFAULT_SINCE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+def json_response(status: int, doc: dict) -> Response:
+    return Response(status, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
+
+
+def error(status: int, message: str) -> Response:
+    return json_response(status, {"error": message})
+
+
+@dataclass
+class AgentState:
+    """What the API reads. `ready` flips once the programs are attached and
+    one interval has been collected; `failure` is set when collection stops."""
+
+    config: Config
+    store: Store
+    registry: CollectorRegistry
+    describe_services: Callable[[], list[dict]]
+    ready: bool = False
+    failure: str | None = None
+    extra_routes: dict[str, Callable[[dict[str, list[str]]], Response]] = field(default_factory=dict)
+
+
+class Api:
+    def __init__(self, state: AgentState) -> None:
+        self.state = state
+        self._routes: dict[str, Callable[[dict[str, list[str]]], Response]] = {
+            "/livez": self._livez,
+            "/readyz": self._readyz,
+            "/metrics": self._metrics,
+            "/api/v1/services": self._services,
+            "/api/v1/attribution": self._attribution,
+        }
+
+    def handle(self, method: str, target: str) -> Response:
+        path, _, qs = target.partition("?")
+        if method not in ("GET", "HEAD"):
+            return error(405, f"{method} is not allowed on {path}; the API is read-only (GET)")
+        route = self._routes.get(path.rstrip("/") or "/") or self.state.extra_routes.get(path)
+        if route is None:
+            for prefix, handler in self.state.extra_routes.items():
+                if prefix.endswith("/") and path.startswith(prefix):
+                    return handler({"_tail": [path[len(prefix):]], **parse_qs(qs)})
+            return error(404, f"no such endpoint {path}; see /api/v1/services, /api/v1/attribution, /metrics")
+        try:
+            query = parse_qs(qs, strict_parsing=False)
+            return route(query)
+        except QueryError as e:
+            return error(400, str(e))
+
+    def _livez(self, query) -> Response:
+        if self.state.failure:
+            return Response(503, f"failing: {self.state.failure}\n".encode(), "text/plain")
+        return Response(200, b"ok\n", "text/plain")
+
+    def _readyz(self, query) -> Response:
+        if self.state.ready and not self.state.failure:
+            return Response(200, b"ready\n", "text/plain")
+        return Response(503, b"not ready: BPF programs attaching or first interval not collected yet\n",
+                        "text/plain")
+
+    def _metrics(self, query) -> Response:
+        return Response(200, generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
+
+    def _services(self, query) -> Response:
+        return json_response(200, {"services": self.state.describe_services()})
+
+    def _attribution(self, query) -> Response:
+        since = float_param(query, "since", DEFAULT_SINCE_S)
+        service = str_param(query, "service")
+        window = self.state.store.window(since, service=service)
+        return json_response(200, attribution(window, self.state.config.slos, service))
+
+
+class QueryError(ValueError):
+    pass
+
+
+def str_param(query: dict[str, list[str]], name: str) -> str | None:
+    values = query.get(name)
+    return values[-1] if values else None
+
+
+def float_param(query: dict[str, list[str]], name: str, default: float) -> float:
+    raw = str_param(query, name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise QueryError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise QueryError(f"{name} must be a positive number of seconds, got {raw}")
+    return value

@@ -1,0 +1,151 @@
+"""The `slatrace` command: the daemon (`run`), `check`, and thin API clients."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from agent import __version__
+
+DEFAULT_AGENT = "http://127.0.0.1:9477"
+
+
+class CliError(Exception):
+    """Printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slatrace",
+        description="eBPF agent that explains why a latency-sensitive service misses its SLA.",
+    )
+    p.add_argument("--version", action="version", version=f"slatrace {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    run = sub.add_parser("run", help="run the agent in the foreground")
+    run.add_argument("--config", metavar="PATH", help="YAML config file (every key optional)")
+    run.add_argument("--listen", default="127.0.0.1:9477", metavar="HOST:PORT",
+                     help="HTTP address for /metrics, /api/v1, /livez, /readyz (default %(default)s)")
+    run.add_argument("--otlp-grpc-listen", default="127.0.0.1:4317", metavar="HOST:PORT",
+                     help="OTLP/gRPC trace receiver, 'off' to disable (default %(default)s)")
+    run.add_argument("--otlp-http-listen", default="127.0.0.1:4318", metavar="HOST:PORT",
+                     help="OTLP/HTTP trace receiver, 'off' to disable (default %(default)s)")
+    run.add_argument("--interval", type=float, metavar="SECONDS", help="aggregation interval (default 1)")
+    run.add_argument("--retention", type=float, metavar="SECONDS", help="history kept for the API (default 900)")
+    run.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                     help="export OTLP metrics and enriched spans there (default $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
+    check.add_argument("--json", action="store_true", help="print the JSON document")
+
+    services = sub.add_parser("services", help="list the services the agent sees")
+    _client_flags(services)
+
+    attr = sub.add_parser("attribution", help="per-service run-queue percentiles and who is to blame")
+    attr.add_argument("service", nargs="?", help="one service (default: all)")
+    attr.add_argument("--since", type=float, default=60.0, metavar="SECONDS", help="window (default %(default)s)")
+    _client_flags(attr)
+    return p
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", default=DEFAULT_AGENT, metavar="URL", help="agent address (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the API's JSON document")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.config import Config, load_config  # noqa: PLC0415
+    from agent.daemon import RunOptions, run  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config) if args.config else Config()
+    overrides = {}
+    if args.interval is not None:
+        if not 0 < args.interval <= 60:
+            raise CliError(f"--interval {args.interval} must be > 0 and <= 60 seconds")
+        overrides["interval"] = args.interval
+    if args.retention is not None:
+        overrides["retention"] = args.retention
+    if overrides:
+        from dataclasses import replace  # noqa: PLC0415
+        config = replace(config, **overrides)
+    if config.retention < config.interval:
+        raise CliError(f"--retention {config.retention} must be at least the interval ({config.interval} s)")
+    options = RunOptions(listen=args.listen, otlp_grpc_listen=args.otlp_grpc_listen,
+                         otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint)
+    return run(config, options)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from agent.check import run_checks  # noqa: PLC0415
+
+    checks = run_checks()
+    ok = all(c.ok for c in checks)
+    if args.json:
+        print(json.dumps({"ok": ok, "checks": [c.as_dict() for c in checks]}, indent=2))
+    else:
+        from agent.cli.render import print_checks  # noqa: PLC0415
+        print_checks(checks)
+        if not ok:
+            failed = next(c for c in checks if not c.ok)
+            print(f"slatrace: {failed.detail}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def cmd_services(args: argparse.Namespace) -> int:
+    from agent.cli.client import get  # noqa: PLC0415
+    from agent.cli.render import print_services  # noqa: PLC0415
+
+    doc = get(args.agent, "/api/v1/services")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_services(doc)
+    return 0
+
+
+def cmd_attribution(args: argparse.Namespace) -> int:
+    from agent.cli.client import get  # noqa: PLC0415
+    from agent.cli.render import print_attribution  # noqa: PLC0415
+
+    if not args.since > 0:
+        raise CliError(f"--since {args.since} must be a positive number of seconds")
+    params = {"since": args.since}
+    if args.service:
+        params["service"] = args.service
+    doc = get(args.agent, "/api/v1/attribution", params)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_attribution(doc)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attribution": cmd_attribution}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from agent.cli.client import AgentUnreachable  # noqa: PLC0415
+    from agent.config import ConfigError  # noqa: PLC0415
+    from agent.daemon import StartupError  # noqa: PLC0415
+    from agent.api.server import ListenError  # noqa: PLC0415
+
+    try:
+        return COMMANDS[args.command](args)
+    except (CliError, ConfigError, StartupError, ListenError, AgentUnreachable) as e:
+        print(f"slatrace: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

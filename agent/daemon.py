@@ -1,0 +1,176 @@
+"""`slatrace run`: wires kernel -> probe -> store -> API/exporters and polls.
+
+Start-up order: HTTP first (so /livez answers while BPF compiles), then the
+probe, then one interval, then /readyz turns 200. Every failure the operator can
+fix is reported as one sentence and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.registry import CollectorRegistry
+
+from agent.api.routes import AgentState, Api
+from agent.api.server import HttpServer, parse_listen
+from agent.config import Config
+from agent.export.prometheus import SlatraceCollector
+from agent.identity.cgroups import CgroupPaths
+from agent.identity.services import ServiceResolver
+from agent.probe import features as feat
+from agent.store.store import Store
+
+log = logging.getLogger("slatrace")
+
+BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+
+
+class StartupError(Exception):
+    """One sentence for the operator: what is missing and how to fix it."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    listen: str = "127.0.0.1:9477"
+    otlp_grpc_listen: str = "127.0.0.1:4317"
+    otlp_http_listen: str = "127.0.0.1:4318"
+    otlp_endpoint: str | None = None
+
+
+class BpfStats:
+    """Turns kernel.bpf_stats_enabled on while the agent runs, if it was off,
+    so the per-program cost counters move; restores it on exit."""
+
+    def __init__(self, path: Path = BPF_STATS) -> None:
+        self._path = path
+        self._restore: str | None = None
+
+    def enable(self) -> None:
+        try:
+            if self._path.read_text().strip() == "0":
+                self._path.write_text("1")
+                self._restore = "0"
+        except OSError as e:
+            log.warning("cannot enable kernel.bpf_stats_enabled (%s): BPF self-cost metrics stay at zero", e)
+
+    def restore(self) -> None:
+        if self._restore is not None:
+            try:
+                self._path.write_text(self._restore)
+            except OSError as e:
+                log.warning("cannot restore kernel.bpf_stats_enabled: %s", e)
+            self._restore = None
+
+
+class Daemon:
+    def __init__(self, config: Config, options: RunOptions) -> None:
+        self.config = config
+        self.options = options
+        self.stop_event = threading.Event()
+        self.store = Store(config.retention)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.poll_seconds = 0.0
+        self.polls = 0
+        self.poll_errors = 0
+        self._resolver: ServiceResolver | None = None
+        self.state = AgentState(config=config, store=self.store, registry=self.registry,
+                                describe_services=self._describe_services)
+        self.registry.register(SlatraceCollector(self.store, self._self_metrics))
+        self._probe = None
+        self._bpf_stats = BpfStats()
+        self._server: HttpServer | None = None
+
+    def _describe_services(self) -> list[dict]:
+        return self._resolver.describe() if self._resolver else []
+
+    def _self_metrics(self) -> dict[str, float]:
+        return {
+            "slatrace_poll_duration_seconds": self.poll_seconds,
+            "slatrace_services_tracked": float(len(self.store.totals())),
+            "slatrace_intervals_collected": float(self.polls),
+        }
+
+    def start(self) -> None:
+        try:
+            host, port = parse_listen(self.options.listen, "--listen")
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        # Prerequisites before binding anything: an unprivileged start must fail
+        # on what matters, not on the port.
+        try:
+            features = feat.detect()
+        except feat.FeatureError as e:
+            raise StartupError(str(e)) from None
+        self._server = HttpServer(host, port, Api(self.state))
+        self._server.start()
+        log.info("listening on http://%s:%d", host, self._server.port)
+
+        from agent.probe.loader import Probe  # noqa: PLC0415  (imports bcc)
+
+        t0 = time.monotonic()
+        try:
+            self._probe = Probe.load(features)
+        except Exception as e:  # BCC raises bare Exception on compile/attach failure
+            raise StartupError(f"cannot load the BPF programs ({e}); run 'slatrace check' to see "
+                               "which prerequisite is missing") from None
+        log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
+        self._bpf_stats.enable()
+        cgroups = CgroupPaths(features.cgroup2)
+        self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services)
+        self.store.ingest(self._probe.baseline(), self._resolver.service_of)
+
+    def poll_once(self) -> None:
+        t0 = time.monotonic()
+        snap = self._probe.snapshot()
+        self.store.ingest(snap, self._resolver.service_of)
+        self.poll_seconds = time.monotonic() - t0
+        self.polls += 1
+        self.state.ready = True
+
+    def loop(self) -> None:
+        interval = self.config.interval
+        deadline = time.monotonic() + interval
+        while not self.stop_event.wait(max(0.0, deadline - time.monotonic())):
+            try:
+                self.poll_once()
+            except Exception:
+                self.poll_errors += 1
+                log.exception("collecting an interval failed; the next interval will retry")
+            deadline += interval
+            if deadline < time.monotonic():  # fell behind (suspend, overload): skip, don't burst
+                deadline = time.monotonic() + interval
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+            log.info("BPF programs detached")
+        self._bpf_stats.restore()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def run(config: Config, options: RunOptions) -> int:
+    daemon = Daemon(config, options)
+
+    def on_signal(signum, frame) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        daemon.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+        log.info("collecting every %.3g s, keeping %.0f s of history (pid %d)",
+                 config.interval, config.retention, os.getpid())
+        daemon.loop()
+    finally:
+        daemon.close()
+    return 0

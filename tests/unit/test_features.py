@@ -1,0 +1,44 @@
+"""Kernel-feature parsing on recorded tracefs formats of two kernel generations."""
+
+from pathlib import Path
+
+import pytest
+
+from agent.probe import features
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_preempt_bit_and_states_current_kernel():
+    # 6.x: TASK_REPORT_MAX = ((0x7f) + 1) << 1 = 0x100; D = 0x2; X = 0x10, Z = 0x20
+    st = features.parse_switch_states((FIXTURES / "sched_switch.format-6.18").read_text())
+    assert (st.preempt, st.d, st.dead) == (0x100, 0x2, 0x30)
+
+
+def test_preempt_bit_and_states_old_kernel():
+    # 4.x before TASK_REPORT: preempt = TASK_STATE_MAX = 2048, Z = 16, X = 32
+    st = features.parse_switch_states((FIXTURES / "sched_switch.format-4.x").read_text())
+    assert (st.preempt, st.d, st.dead) == (2048, 2, 48)
+
+
+def test_format_without_preempt_flag_is_rejected():
+    with pytest.raises(ValueError, match="preempt"):
+        features.parse_switch_states('print fmt: "prev_state=%s", REC->prev_state ? "S" : "R"')
+
+
+def test_expression_evaluator_refuses_anything_but_integer_arithmetic():
+    assert features._eval_int("((0x1 | 0x2) + 1) << 1") == 8
+    with pytest.raises(ValueError):
+        features._eval_int("__import__('os').getpid()")
+
+
+def test_privileges_from_capability_mask():
+    root = "CapEff:\t000001ffffffffff\n"
+    bpf_perfmon = f"CapEff:\t{(1 << 39) | (1 << 38):016x}\n"
+    nobody = "CapEff:\t0000000000000000\n"
+    features.check_privileges(root)
+    features.check_privileges(bpf_perfmon)
+    with pytest.raises(features.FeatureError, match="CAP_BPF"):
+        features.check_privileges(nobody)
+    with pytest.raises(features.FeatureError):
+        features.check_privileges(f"CapEff:\t{1 << 39:016x}\n")  # BPF without PERFMON
