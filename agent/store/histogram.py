@@ -1,0 +1,245 @@
+"""Log-linear latency histograms: the kernel's bucket layout and quantiles over it.
+
+The BPF side (bpf/sched.h, hist_slot() in bpf/sched.bpf.c) splits every power of
+two between 2^8 and 2^34 ns into 16 linear sub-buckets and keeps, per slot, the
+count and the exact sum of the values. Sixteen sub-buckets bound the relative
+width of a slot to 1/16, so interpolated quantiles land within a few percent of
+the exact ones, where plain log2 buckets can be 2x off.
+
+This module mirrors that layout in Python and must stay in lock-step with the
+C header; tests/unit/test_histogram.py parses the header to make sure it does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+
+from agent.snapshot import Bucket
+
+HIST_MIN_SHIFT = 8
+HIST_MAX_SHIFT = 34
+HIST_SUB_SHIFT = 4
+HIST_SUB = 1 << HIST_SUB_SHIFT
+HIST_SLOTS = 2 + (HIST_MAX_SHIFT - HIST_MIN_SHIFT + 1) * HIST_SUB
+
+OVERFLOW_SLOT = HIST_SLOTS - 1
+# Values at or above this many ns land in the overflow slot.
+OVERFLOW_NS = 1 << (HIST_MAX_SHIFT + 1)
+
+_NS_PER_S = 1e9
+
+
+def slot_of(ns: int) -> int:
+    """The slot the kernel's hist_slot() puts a value of `ns` nanoseconds in.
+
+    int.bit_length() is floor(log2)+1, the same quantity BCC's bpf_log2l()
+    returns, so the arithmetic below is the C code line for line.
+    """
+    if ns < 0:
+        raise ValueError(f"negative duration {ns} ns")
+    if ns < (1 << HIST_MIN_SHIFT):
+        return 0
+    k = ns.bit_length() - 1
+    if k > HIST_MAX_SHIFT:
+        return OVERFLOW_SLOT
+    sub = (ns >> (k - HIST_SUB_SHIFT)) & (HIST_SUB - 1)
+    return 1 + (k - HIST_MIN_SHIFT) * HIST_SUB + sub
+
+
+def slot_bounds(slot: int) -> tuple[int, float]:
+    """[lo, hi) of a slot in ns; hi is inf for the overflow slot."""
+    if not 0 <= slot < HIST_SLOTS:
+        raise ValueError(f"slot {slot} outside 0..{HIST_SLOTS - 1}")
+    if slot == 0:
+        return 0, float(1 << HIST_MIN_SHIFT)
+    if slot == OVERFLOW_SLOT:
+        return OVERFLOW_NS, math.inf
+    k = HIST_MIN_SHIFT + (slot - 1) // HIST_SUB
+    width = 1 << (k - HIST_SUB_SHIFT)
+    lo = (1 << k) + ((slot - 1) % HIST_SUB) * width
+    return lo, float(lo + width)
+
+
+def _is_slot_boundary(ns: int) -> bool:
+    return ns >= 0 and slot_bounds(slot_of(ns))[0] == ns
+
+
+class Histogram(Mapping[int, Bucket]):
+    """Immutable sparse histogram: slot -> Bucket(count, sum_ns).
+
+    Immutable so the store can hand the same object to any number of reader
+    threads. A bucket may carry a sum with a zero count: the kernel bumps count
+    and sum in two steps, and a map read between them splits one sample across
+    two intervals; keeping the sum keeps wait totals exact.
+    """
+
+    __slots__ = ("_buckets", "_slots", "_count", "_sum_ns")
+
+    def __init__(self, buckets: Mapping[int, Bucket] | None = None) -> None:
+        kept: dict[int, Bucket] = {}
+        for slot, bucket in (buckets or {}).items():
+            if not 0 <= slot < HIST_SLOTS:
+                raise ValueError(f"slot {slot} outside 0..{HIST_SLOTS - 1}")
+            if bucket.count < 0 or bucket.sum_ns < 0:
+                raise ValueError(f"negative bucket {bucket} in slot {slot}")
+            if bucket.count or bucket.sum_ns:
+                kept[slot] = bucket
+        self._slots = tuple(sorted(kept))
+        self._buckets = {s: kept[s] for s in self._slots}
+        self._count = sum(b.count for b in kept.values())
+        self._sum_ns = sum(b.sum_ns for b in kept.values())
+
+    @classmethod
+    def from_ns(cls, values: Iterable[int]) -> Histogram:
+        """Bucket raw nanosecond values exactly as the kernel would."""
+        acc: dict[int, list[int]] = {}
+        for v in values:
+            b = acc.setdefault(slot_of(v), [0, 0])
+            b[0] += 1
+            b[1] += v
+        return cls({s: Bucket(c, t) for s, (c, t) in acc.items()})
+
+    # Mapping protocol, in slot order.
+    def __getitem__(self, slot: int) -> Bucket:
+        return self._buckets[slot]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __repr__(self) -> str:
+        return f"Histogram(count={self._count}, sum_ns={self._sum_ns}, slots={len(self._slots)})"
+
+    def merge(self, other: Histogram) -> Histogram:
+        """Sum of two histograms: histograms of disjoint samples add slot-wise."""
+        merged = dict(self._buckets)
+        for slot, b in other._buckets.items():
+            mine = merged.get(slot)
+            merged[slot] = b if mine is None else Bucket(mine.count + b.count, mine.sum_ns + b.sum_ns)
+        return Histogram(merged)
+
+    def __add__(self, other: Histogram) -> Histogram:
+        if not isinstance(other, Histogram):
+            return NotImplemented
+        return self.merge(other)
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    @property
+    def sum_ns(self) -> int:
+        return self._sum_ns
+
+    @property
+    def sum_seconds(self) -> float:
+        return self._sum_ns / _NS_PER_S
+
+    @property
+    def mean(self) -> float:
+        """Exact mean in seconds (the kernel keeps exact sums); 0.0 when empty."""
+        return self._sum_ns / self._count / _NS_PER_S if self._count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile in seconds, interpolated inside its slot; 0.0 when empty.
+
+        The target rank q*count falls in the first slot whose cumulative count
+        reaches it; inside that slot the values are taken as spread evenly over
+        [lo, hi). When the slot's exact sum proves every value in it is the same,
+        that value is returned instead, and the overflow slot (no upper bound)
+        answers with its mean.
+        """
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile {q} outside [0, 1]")
+        if self._count == 0:
+            return 0.0
+        # q <= 1, so rank <= count and the loop always returns.
+        rank = q * self._count
+        cum = 0
+        for slot in self._slots:
+            b = self._buckets[slot]
+            if b.count and cum + b.count >= rank:
+                return _value_in_slot(slot, b, rank - cum) / _NS_PER_S
+            cum += b.count
+        raise AssertionError("rank beyond the histogram's count")
+
+
+def _value_in_slot(slot: int, b: Bucket, rank_in_slot: float) -> float:
+    """Value in ns at rank `rank_in_slot` (0 < r <= count) of one slot."""
+    lo, hi = slot_bounds(slot)
+    exact = _single_value(slot, b)
+    if exact is not None:
+        return float(exact)
+    if slot == OVERFLOW_SLOT:
+        # No upper bound to interpolate towards; the exact mean is the best guess
+        # and never leaves the slot.
+        return max(float(lo), b.sum_ns / b.count)
+    frac = min(max(rank_in_slot / b.count, 0.0), 1.0)
+    return lo + (hi - lo) * frac
+
+
+def _single_value(slot: int, b: Bucket) -> int | None:
+    """The one value every sample in the slot has, when the sum proves it.
+
+    Values are integers in [lo, hi), so a sum of count*lo or count*(hi-1) can
+    only come from identical values; a lone sample is its own sum. A sum outside
+    the slot (a read torn between count and sum updates) proves nothing.
+    """
+    lo, hi = slot_bounds(slot)
+    if b.count == 1:
+        value = b.sum_ns
+    elif b.sum_ns == b.count * lo:
+        value = lo
+    elif hi != math.inf and b.sum_ns == b.count * (int(hi) - 1):
+        value = int(hi) - 1
+    else:
+        return None
+    return value if lo <= value < hi else None
+
+
+def classic_bounds() -> tuple[float, ...]:
+    """Prometheus bucket upper bounds (seconds), the same for every service.
+
+    2^k and 2^k*(1+7/16) ns for k = 13..33, then 2^34 ns: 8.2 µs to 17 s at
+    roughly 1.4x steps. Every bound is a slot boundary, so the count at a bound
+    is exact rather than re-estimated from a slot that straddles it.
+    """
+    bounds: list[float] = []
+    for k in range(13, 34):
+        bounds.append((1 << k) / _NS_PER_S)
+        bounds.append(((1 << k) + 7 * (1 << (k - HIST_SUB_SHIFT))) / _NS_PER_S)
+    bounds.append((1 << 34) / _NS_PER_S)
+    return tuple(bounds)
+
+
+def cumulative_counts(hist: Histogram, bounds: Iterable[float]) -> list[int]:
+    """Cumulative counts at each bound (seconds, ascending), then +Inf = total.
+
+    A slot counts towards a bound when its whole range lies below the bound.
+    Values are integer ns and bounds sit on slot boundaries, so this is the
+    count of values < bound; the only difference from Prometheus' `le` is a
+    value exactly equal to the bound, which lands one bucket higher.
+    """
+    bounds_ns = []
+    for b in bounds:
+        ns = round(b * _NS_PER_S)
+        if not _is_slot_boundary(ns):
+            raise ValueError(f"bucket bound {b} s is not a histogram slot boundary")
+        if bounds_ns and ns <= bounds_ns[-1]:
+            raise ValueError("bucket bounds must be strictly ascending")
+        bounds_ns.append(ns)
+
+    out: list[int] = []
+    slots = list(hist)
+    i = 0
+    cum = 0
+    for bound in bounds_ns:
+        while i < len(slots) and slot_bounds(slots[i])[1] <= bound:
+            cum += hist[slots[i]].count
+            i += 1
+        out.append(cum)
+    out.append(hist.count)
+    return out

@@ -1,0 +1,299 @@
+"""Store: hand-made snapshot sequences with hand-computed interval deltas."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+from agent.snapshot import (
+    HIST_IOWAIT,
+    HIST_RUNQ,
+    Bucket,
+    CgroupCounters,
+    PairCounters,
+    ProbeSnapshot,
+    ProgramStats,
+)
+from agent.store.histogram import Histogram
+from agent.store.store import Store
+
+R, IO = HIST_RUNQ, HIST_IOWAIT
+WEB_A, BATCH, WEB_B = 101, 102, 103  # two cgroups of "web", one of "batch"
+SERVICES = {WEB_A: "web", BATCH: "batch", WEB_B: "web"}
+
+
+class CountingResolver:
+    def __init__(self) -> None:
+        self.calls: Counter[int] = Counter()
+
+    def __call__(self, cgid: int) -> str:
+        self.calls[cgid] += 1
+        return SERVICES[cgid]
+
+
+def snap(t: int, hists=None, pairs=None, cgroups=None, errors=None, programs=None) -> ProbeSnapshot:
+    return ProbeSnapshot(
+        mono_ns=t * 1_000_000_000,
+        wall=1000.0 + t,
+        hists=hists or {},
+        pairs=pairs or {},
+        cgroups=cgroups or {},
+        errors=errors or {},
+        programs=programs or {},
+    )
+
+
+BASE = snap(0)
+S1 = snap(
+    1,
+    hists={
+        (WEB_A, R): {20: Bucket(2, 1200)},
+        (WEB_B, R): {20: Bucket(1, 600), 40: Bucket(1, 5000)},
+        (BATCH, R): {40: Bucket(4, 20000)},
+        (WEB_A, IO): {100: Bucket(1, 70000)},
+    },
+    pairs={(WEB_A, BATCH): PairCounters(2, 3000), (WEB_B, 0): PairCounters(1, 500)},
+    cgroups={WEB_A: CgroupCounters(migrations=3), BATCH: CgroupCounters(migrations=1, untraced_switch_in=1)},
+    errors={"hists": 0},
+    programs={"sched_switch": ProgramStats(100, 50_000)},
+)
+S2 = snap(
+    2,
+    hists={
+        (WEB_A, R): {20: Bucket(5, 3000), 21: Bucket(1, 700)},  # +3 in slot 20, new slot 21
+        (WEB_B, R): {20: Bucket(1, 600)},                         # unchanged; slot 40 vanished
+        (BATCH, R): {40: Bucket(1, 5100)},                        # entry re-created: reset
+        (WEB_A, IO): {100: Bucket(1, 70000)},                     # unchanged
+    },
+    pairs={(WEB_A, BATCH): PairCounters(3, 4000), (BATCH, WEB_A): PairCounters(1, 250)},
+    cgroups={
+        WEB_A: CgroupCounters(migrations=5),
+        BATCH: CgroupCounters(migrations=0, untraced_switch_in=1, untraced_wakeup=2),
+    },
+    errors={"hists": 2},
+    programs={"sched_switch": ProgramStats(250, 90_000)},
+)
+
+# Hand-computed intervals.
+WEB_1_RUNQ = Histogram({20: Bucket(3, 1800), 40: Bucket(1, 5000)})
+WEB_2_RUNQ = Histogram({20: Bucket(3, 1800), 21: Bucket(1, 700)})
+BATCH_1_RUNQ = Histogram({40: Bucket(4, 20000)})
+BATCH_2_RUNQ = Histogram({40: Bucket(1, 5100)})
+
+
+def filled_store(retention_s: float = 900.0) -> tuple[Store, CountingResolver, list]:
+    store = Store(retention_s, clock=lambda: 1002.0)
+    resolver = CountingResolver()
+    out = [store.ingest(s, resolver) for s in (BASE, S1, S2)]
+    return store, resolver, out
+
+
+def test_first_snapshot_is_the_baseline() -> None:
+    store = Store(60)
+    resolver = CountingResolver()
+    assert store.ingest(S1, resolver) is None
+    assert store.intervals_collected == 0 and store.latest() is None
+    assert not resolver.calls
+    # Whatever the baseline held is not part of the first interval.
+    rec = store.ingest(S2, resolver)
+    assert rec is not None
+    assert rec.services["batch"].runq == BATCH_2_RUNQ
+    assert rec.services["web"].runq == Histogram({20: Bucket(3, 1800), 21: Bucket(1, 700)})
+
+
+def test_first_interval_aggregates_cgroups_per_service() -> None:
+    _, _, (none, r1, _) = filled_store()
+    assert none is None
+    assert (r1.start, r1.end, r1.start_mono_ns, r1.end_mono_ns) == (1000.0, 1001.0, 0, 1_000_000_000)
+    web, batch = r1.services["web"], r1.services["batch"]
+    assert set(r1.services) == {"web", "batch"}
+    assert web.runq == WEB_1_RUNQ
+    assert web.runq.count == 4 and web.runq.sum_ns == 6800
+    assert web.iowait == Histogram({100: Bucket(1, 70000)})
+    assert dict(web.preempted_by) == {"batch": PairCounters(2, 3000), "unknown": PairCounters(1, 500)}
+    assert web.preemptions == 3 and web.preempted_wait_ns == 3500
+    assert web.migrations == 3 and web.untraced_switch_in == 0
+    assert web.cgroups == frozenset({WEB_A, WEB_B})
+    assert batch.runq == BATCH_1_RUNQ
+    assert batch.iowait.count == 0
+    assert dict(batch.preempted_by) == {}
+    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (1, 1, 0)
+    assert batch.cgroups == frozenset({BATCH})
+    assert dict(r1.errors) == {}
+
+
+def test_second_interval_deltas_resets_and_vanished_keys() -> None:
+    _, _, (_, _, r2) = filled_store()
+    web, batch = r2.services["web"], r2.services["batch"]
+    assert web.runq == WEB_2_RUNQ
+    assert web.iowait.count == 0
+    assert dict(web.preempted_by) == {"batch": PairCounters(1, 1000)}
+    assert web.migrations == 2
+    # WEB_B's counters did not move (and a slot vanished): it did nothing.
+    assert web.cgroups == frozenset({WEB_A})
+    assert batch.runq == BATCH_2_RUNQ          # reset: the new value itself
+    assert dict(batch.preempted_by) == {"web": PairCounters(1, 250)}
+    # migrations went 1 -> 0 (reset to zero): contributes 0, never negative.
+    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (0, 0, 2)
+    assert dict(r2.errors) == {"hists": 2}
+
+
+def test_service_of_called_once_per_cgroup_per_ingest() -> None:
+    store = Store(60)
+    store.ingest(BASE, CountingResolver())
+    for s in (S1, S2):
+        resolver = CountingResolver()
+        store.ingest(s, resolver)
+        assert resolver.calls and max(resolver.calls.values()) == 1
+        assert 0 not in resolver.calls  # the unknown preemptor is never resolved
+    # S2's preemptor WEB_A of BATCH was resolved through service_of.
+    assert resolver.calls[WEB_A] == 1 and resolver.calls[BATCH] == 1
+
+
+def test_probe_reload_resets_every_counter() -> None:
+    store, resolver, _ = filled_store()
+    reloaded = snap(
+        3,
+        hists={(WEB_A, R): {20: Bucket(1, 610)}},
+        pairs={(WEB_A, BATCH): PairCounters(1, 90)},
+        cgroups={WEB_A: CgroupCounters(migrations=1)},
+        errors={"hists": 1},
+    )
+    rec = store.ingest(reloaded, resolver)
+    web = rec.services["web"]
+    assert web.runq == Histogram({20: Bucket(1, 610)})
+    assert dict(web.preempted_by) == {"batch": PairCounters(1, 90)}
+    assert web.migrations == 1
+    assert dict(rec.errors) == {"hists": 1}
+    assert set(rec.services) == {"web"}
+    assert store.error_totals() == {"hists": 3}
+
+
+def test_window_merges_to_hand_summed_histograms() -> None:
+    store, _, _ = filled_store()
+    w = store.window(since_s=60)
+    assert (w.start, w.end, w.intervals) == (1000.0, 1002.0, 2)
+    web = w.services["web"]
+    assert web.runq == Histogram({20: Bucket(6, 3600), 21: Bucket(1, 700), 40: Bucket(1, 5000)})
+    assert web.runq == WEB_1_RUNQ + WEB_2_RUNQ
+    assert web.iowait == Histogram({100: Bucket(1, 70000)})
+    assert dict(web.preempted_by) == {"batch": PairCounters(3, 4000), "unknown": PairCounters(1, 500)}
+    assert web.migrations == 5
+    assert web.cgroups == frozenset({WEB_A, WEB_B})
+    batch = w.services["batch"]
+    assert batch.runq == Histogram({40: Bucket(5, 25100)})
+    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (1, 1, 2)
+    assert dict(w.errors) == {"hists": 2}
+
+    only_batch = store.window(since_s=60, service="batch")
+    assert set(only_batch.services) == {"batch"}
+    assert only_batch.services["batch"] == batch
+
+    # Intervals ending after now - since_s: only the second one.
+    last = store.window(since_s=0.5, now=1002.0)
+    assert (last.start, last.end, last.intervals) == (1001.0, 1002.0, 1)
+    assert last.services["web"].runq == WEB_2_RUNQ
+
+    empty = store.window(since_s=10, now=2000.0)
+    assert (empty.start, empty.end, empty.intervals, dict(empty.services)) == (2000.0, 2000.0, 0, {})
+
+
+def test_between_selects_overlapping_intervals() -> None:
+    store, _, _ = filled_store()
+    w = store.between(1001.2, 1001.8, service="web")
+    assert (w.start, w.end, w.intervals) == (1001.0, 1002.0, 1)
+    assert w.services["web"].runq == WEB_2_RUNQ
+    assert store.between(1000.5, 1001.5).intervals == 2
+
+
+def _runq_only(t: int, count: int) -> ProbeSnapshot:
+    return snap(t, hists={(WEB_A, R): {20: Bucket(count, count * 300)}})
+
+
+def test_retention_prunes_old_intervals_but_not_totals() -> None:
+    store = Store(retention_s=2.5, clock=lambda: 1006.0)
+    resolver = CountingResolver()
+    counts = [0, 1, 3, 6, 10, 15, 21]  # cumulative; interval i adds i
+    for t, c in enumerate(counts):
+        store.ingest(_runq_only(t, c), resolver)
+    # Newest end 1006: ends >= 1003.5 are kept.
+    assert [r.end for r in store.records(since_s=100)] == [1004.0, 1005.0, 1006.0]
+    assert store.intervals_collected == 6
+    assert store.window(since_s=100).services["web"].runq.count == 4 + 5 + 6
+    assert store.totals()["web"].runq.count == 21
+    assert store.totals()["web"].runq.sum_ns == 21 * 300
+    assert store.latest().end == 1006.0
+
+
+def test_totals_are_monotonic_across_resets() -> None:
+    store = Store(retention_s=1.0)
+    resolver = CountingResolver()
+    cumulative = [0, 5, 9, 2, 7, 7, 1]  # resets after 9 and after 7
+    expected_deltas = [5, 4, 2, 5, 0, 1]
+    seen = []
+    for t, c in enumerate(cumulative):
+        store.ingest(_runq_only(t, c), resolver)
+        web = store.totals().get("web")
+        seen.append(web.runq.count if web else 0)
+    assert seen[1:] == [sum(expected_deltas[: i + 1]) for i in range(len(expected_deltas))]
+    assert seen == sorted(seen)
+
+
+def test_programs_and_readers_get_immutable_objects() -> None:
+    store, _, (_, r1, _) = filled_store()
+    assert dict(store.programs()) == {"sched_switch": ProgramStats(250, 90_000)}
+    with pytest.raises(TypeError):
+        r1.services["other"] = r1.services["web"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        r1.services["web"].preempted_by["x"] = PairCounters(1, 1)  # type: ignore[index]
+    totals = store.totals()
+    totals.clear()  # a copy: the store's totals are untouched
+    assert store.totals()["web"].runq.count == 8
+
+
+def test_failed_resolution_commits_nothing() -> None:
+    store = Store(60)
+    store.ingest(BASE, CountingResolver())
+
+    def broken(cgid: int) -> str:
+        raise LookupError(cgid)
+
+    with pytest.raises(LookupError):
+        store.ingest(S1, broken)
+    assert store.intervals_collected == 0
+    rec = store.ingest(S2, CountingResolver())
+    # The interval now runs from the baseline: S2's full cumulative values.
+    assert rec.start == 1000.0
+    assert rec.services["web"].runq == Histogram({20: Bucket(6, 3600), 21: Bucket(1, 700)})
+
+
+def test_concurrent_readers_see_consistent_windows() -> None:
+    store = Store(retention_s=1000)
+    resolver = CountingResolver()
+    store.ingest(_runq_only(0, 0), resolver)
+    stop = threading.Event()
+    bad: list[str] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            w = store.window(since_s=10_000, now=5000.0)
+            web = w.services.get("web")
+            n = web.runq.count if web else 0
+            # Interval i adds i, so after k intervals the count is k(k+1)/2.
+            if n != w.intervals * (w.intervals + 1) // 2:
+                bad.append(f"{w.intervals} intervals, count {n}")
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    c = 0
+    for i in range(1, 300):
+        c += i
+        store.ingest(_runq_only(i, c), resolver)
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not bad
+    assert store.totals()["web"].runq.count == 299 * 300 // 2
