@@ -1,0 +1,300 @@
+"""The agent's YAML configuration: parsed once, validated strictly, then frozen.
+
+Every error names the file, the key path and the fix in one sentence, because the
+person reading it is an operator at a terminal, not a Python programmer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+from agent.identity.cgroups import cgroup_glob_regex
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DEFAULT_CONFIG_YAML",
+    "ServiceRule",
+    "Slo",
+    "load_config",
+    "parse_config",
+]
+
+MAX_INTERVAL_S = 60.0
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded as one sentence an operator can act on."""
+
+
+@dataclass(frozen=True)
+class ServiceRule:
+    """Names the tasks that match every matcher given; the first matching rule wins."""
+
+    name: str
+    cgroup: str | None = None
+    comm: str | None = None
+    k8s_namespace: str | None = None
+    k8s_pod: str | None = None
+    k8s_container: str | None = None
+    systemd_unit: str | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Latency targets of one service, in seconds; None means not judged."""
+
+    service: str
+    runq_p99: float | None = None
+    runq_p95: float | None = None
+    iowait_p99: float | None = None
+    request_e2e_p99: float | None = None
+    request_ttft_p99: float | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    interval: float = 1.0
+    retention: float = 900.0
+    max_services: int = 500
+    services: tuple[ServiceRule, ...] = ()
+    slos: tuple[Slo, ...] = ()
+
+
+# What `slatrace run` uses without --config; tests check it parses to Config().
+DEFAULT_CONFIG_YAML = """\
+# slatrace configuration. Every key is optional; these are the defaults.
+interval: 1            # seconds between aggregations (0 < interval <= 60)
+retention: 900         # seconds of history the API can answer from (>= interval)
+max_services: 500      # beyond this many names, new services are counted as "other"
+
+# First matching rule wins. A task matching no rule gets an automatic name:
+# "host" for the root cgroup, otherwise its cgroup v2 path (e.g. /batch/etl).
+services: []
+#  - name: vllm
+#    cgroup: "/kubepods*/**/cri-containerd-abc*"   # glob on the cgroup v2 path
+#  - name: batch
+#    comm: "stress-ng*"                             # glob on the process name
+#  # also accepted: k8s_namespace, k8s_pod, k8s_container, systemd_unit, pid
+
+slos: []
+#  - service: vllm
+#    runq_p99: 0.005            # seconds
+#    request_e2e_p99: 2.0       # seconds, judged from the service's request spans
+"""
+
+_TOP_KEYS = ("interval", "retention", "max_services", "services", "slos")
+_RULE_MATCHERS = (
+    "cgroup",
+    "comm",
+    "k8s_namespace",
+    "k8s_pod",
+    "k8s_container",
+    "systemd_unit",
+    "pid",
+)
+_RULE_KEYS = ("name",) + _RULE_MATCHERS
+_SLO_TARGETS = tuple(f.name for f in fields(Slo) if f.name != "service")
+_SLO_KEYS = ("service",) + _SLO_TARGETS
+
+# What each string matcher means, so a type error can say what was expected.
+_MATCHER_HINTS = {
+    "cgroup": "a glob on the cgroup v2 path",
+    "comm": "a glob on the process name",
+    "k8s_namespace": "a Kubernetes namespace",
+    "k8s_pod": "a glob on the pod name",
+    "k8s_container": "a container name",
+    "systemd_unit": "a systemd unit name",
+}
+
+
+def load_config(path: str | None) -> Config:
+    """Read and validate the file at `path`; no file means the embedded defaults."""
+    if path is None:
+        return parse_config(yaml.safe_load(DEFAULT_CONFIG_YAML), "<defaults>")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: cannot read: not UTF-8 text ({e.reason})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(_yaml_error_sentence(path, e)) from None
+    return parse_config(data, path)
+
+
+def parse_config(data: Any, source: str) -> Config:
+    """Validate already-loaded YAML data; `source` names the file in errors."""
+    if data is None:
+        return Config()
+    top = _mapping(data, source, "", "the top level", _TOP_KEYS)
+    interval = _number(top, "interval", source, default=1.0)
+    if not 0 < interval <= MAX_INTERVAL_S:
+        raise ConfigError(
+            f"{source}: interval: must be more than 0 and at most {MAX_INTERVAL_S:g} seconds, "
+            f"got {interval!r}"
+        )
+    retention = _number(top, "retention", source, default=900.0)
+    if retention < interval:
+        raise ConfigError(
+            f"{source}: retention: must be at least the interval ({interval:g} s), "
+            f"got {retention!r}"
+        )
+    max_services = top.get("max_services")
+    if max_services is None:
+        max_services = 500
+    if not _is_int(max_services) or max_services < 1:
+        raise ConfigError(
+            f"{source}: max_services: expected a whole number of at least 1, got {max_services!r}"
+        )
+    rules = tuple(
+        _service_rule(item, source, f"services[{i}]")
+        for i, item in enumerate(_sequence(top, "services", source))
+    )
+    slos = tuple(
+        _slo(item, source, f"slos[{i}]") for i, item in enumerate(_sequence(top, "slos", source))
+    )
+    return Config(
+        interval=float(interval),
+        retention=float(retention),
+        max_services=int(max_services),
+        services=rules,
+        slos=slos,
+    )
+
+
+def _service_rule(item: Any, source: str, where: str) -> ServiceRule:
+    m = _mapping(item, source, where, "a service rule", _RULE_KEYS)
+    name = m.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"{source}: {where}.name: expected the service name as a non-empty string, "
+            f"got {name!r}"
+        )
+    given = [k for k in _RULE_MATCHERS if m.get(k) is not None]
+    if not given:
+        raise ConfigError(
+            f"{source}: {where}: service {name!r} has no matcher; "
+            f"add one of {', '.join(_RULE_MATCHERS)}"
+        )
+    values: dict[str, Any] = {}
+    for key in given:
+        value = m[key]
+        if key == "pid":
+            if not _is_int(value) or value < 1:
+                raise ConfigError(
+                    f"{source}: {where}.pid: expected a process id (a whole number >= 1), "
+                    f"got {value!r}"
+                )
+        elif not isinstance(value, str) or not value:
+            raise ConfigError(
+                f"{source}: {where}.{key}: expected a string ({_MATCHER_HINTS[key]}), "
+                f"got {value!r}"
+            )
+        elif key == "cgroup" and not value.startswith("/"):
+            raise ConfigError(
+                f"{source}: {where}.cgroup: the glob must be an absolute cgroup v2 path; "
+                f"write '/{value}' or '/**/{value}' instead of {value!r}"
+            )
+        elif key == "cgroup":
+            try:
+                cgroup_glob_regex(value)
+            except ValueError as e:
+                raise ConfigError(
+                    f"{source}: {where}.cgroup: {e}; fix the [...] character class"
+                ) from None
+        values[key] = value
+    return ServiceRule(name=name, **values)
+
+
+def _slo(item: Any, source: str, where: str) -> Slo:
+    m = _mapping(item, source, where, "an SLO", _SLO_KEYS)
+    service = m.get("service")
+    if not isinstance(service, str) or not service.strip():
+        raise ConfigError(
+            f"{source}: {where}.service: expected the service name as a non-empty string, "
+            f"got {service!r}"
+        )
+    targets: dict[str, float] = {}
+    for key in _SLO_TARGETS:
+        value = m.get(key)
+        if value is None:
+            continue
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(
+                f"{source}: {where}.{key}: expected a positive number of seconds, got {value!r}"
+            )
+        targets[key] = float(value)
+    if not targets:
+        raise ConfigError(
+            f"{source}: {where}: the SLO of {service!r} sets no target; "
+            f"add one of {', '.join(_SLO_TARGETS)}"
+        )
+    return Slo(service=service, **targets)
+
+
+def _mapping(
+    value: Any, source: str, where: str, what: str, known: tuple[str, ...]
+) -> dict[str, Any]:
+    prefix = f"{source}: {where}: " if where else f"{source}: "
+    if not isinstance(value, dict):
+        raise ConfigError(f"{prefix}expected {what} as a mapping of keys, got {value!r}")
+    for key in value:
+        if key not in known:
+            raise ConfigError(
+                f"{prefix}unknown key {key!r} (known keys: {', '.join(known)})"
+            )
+    return value
+
+
+def _sequence(top: dict[str, Any], key: str, source: str) -> list[Any]:
+    value = top.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(
+            f"{source}: {key}: expected a list (each item starting with '- '), got {value!r}"
+        )
+    return value
+
+
+def _number(top: dict[str, Any], key: str, source: str, default: float) -> float:
+    value = top.get(key)
+    if value is None:  # `interval:` with nothing after it means the default, as for lists
+        return default
+    if not _is_number(value):
+        raise ConfigError(f"{source}: {key}: expected a number of seconds, got {value!r}")
+    return value  # as written, so range errors quote the user's own number
+
+
+def _is_number(value: Any) -> bool:
+    # YAML `true` loads as bool, which Python counts as an int; it is never a duration.
+    # `.nan` and `.inf` are valid YAML floats but no usable duration either.
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _yaml_error_sentence(path: str, e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    detail = f"{context}, {problem}" if context else problem
+    detail = " ".join(detail.split())
+    if mark is not None:
+        return f"{path}: line {mark.line + 1}: invalid YAML: {detail}"
+    return f"{path}: invalid YAML: {detail}"
