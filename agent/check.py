@@ -41,10 +41,11 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
 
     tracefs = feat.find_tracefs()
     checks.append(Check("tracefs", tracefs is not None, f"mounted at {tracefs}" if tracefs else
-                        "tracefs is not mounted: mount -t tracefs nodev /sys/kernel/tracing"))
+                        "tracefs is not mounted or not readable: as root, mount -t tracefs nodev "
+                        "/sys/kernel/tracing"))
     if tracefs is not None:
         for tp in feat.TRACEPOINTS:
-            present = (tracefs / "events" / "sched" / tp / "format").exists()
+            present = feat.exists(tracefs / "events" / "sched" / tp / "format")
             checks.append(Check(f"tracepoint:sched:{tp}", present, "present" if present else
                                 f"sched:{tp} is missing or unreadable: needs a kernel with scheduler "
                                 "tracepoints, and root to read tracefs"))

@@ -17,7 +17,7 @@ class ListenError(Exception):
 
 def parse_listen(value: str, flag: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"{flag} {value!r} is not HOST:PORT (for example 127.0.0.1:9477)")
     return host.strip("[]") or "0.0.0.0", int(port)
 

@@ -50,9 +50,18 @@ class Features:
     cgroup2: Path
 
 
+def exists(path: Path) -> bool:
+    """Path.exists() that answers False where the caller may not look (tracefs
+    is root-only), instead of raising."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
+
+
 def find_tracefs(candidates: tuple[Path, ...] = TRACEFS_CANDIDATES) -> Path | None:
     for path in candidates:
-        if (path / "events" / "sched" / "sched_switch" / "format").exists():
+        if exists(path / "events" / "sched" / "sched_switch" / "format"):
             return path
     return None
 
@@ -119,7 +128,7 @@ def detect() -> Features:
             "mount it with 'mount -t tracefs nodev /sys/kernel/tracing' (make setup does this)"
         )
     for tp in TRACEPOINTS:
-        if not (tracefs / "events" / "sched" / tp / "format").exists():
+        if not exists(tracefs / "events" / "sched" / tp / "format"):
             raise FeatureError(f"the kernel has no sched:{tp} tracepoint, which slatrace needs "
                                "(a kernel built with CONFIG_TRACEPOINTS and the scheduler events)")
     try:
@@ -136,4 +145,4 @@ def detect() -> Features:
 
 def kernel_headers_present(release: str | None = None) -> bool:
     release = release or os.uname().release
-    return bool(os.environ.get("BCC_KERNEL_SOURCE")) or Path(f"/lib/modules/{release}/build/include").exists()
+    return bool(os.environ.get("BCC_KERNEL_SOURCE")) or exists(Path(f"/lib/modules/{release}/build/include"))
