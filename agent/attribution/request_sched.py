@@ -8,6 +8,7 @@ per-event records from the kernel for services that send spans.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,7 +64,7 @@ class IntervalSched:
         runq = iowait = 0.0
         preemptions = migrations = 0.0
         by: dict[str, float] = {}
-        for rec in self._store.records(since_s=max(0.0, self.covered_until() - start) + self._interval):
+        for rec in self._store.records(since_s=max(0.0, time.time() - start) + self._interval):
             overlap = min(end, rec.end) - max(start, rec.start)
             figures = rec.services.get(service)
             if overlap <= 0 or figures is None:
