@@ -18,17 +18,23 @@ from pathlib import Path
 from prometheus_client.registry import CollectorRegistry
 
 from agent.api.routes import AgentState, Api
+from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, parse_listen
 from agent.config import Config
 from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
+from agent.store.events import EventLog
 from agent.store.store import Store
 
 log = logging.getLogger("slatrace")
 
 BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
+# How often exact wait events of watched services are drained from the ring
+# buffer: bounds both the buffer's fill and the delay before a request is
+# attributed.
+EVENT_DRAIN_S = 0.1
 
 
 class StartupError(Exception):
@@ -85,6 +91,18 @@ class Daemon:
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
+        self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
+        self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
+                                        IntervalSched(self.store, config.interval))
+        self._watched: set[int] = set()
+        self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
+
+    def _service_of(self, cgid: int) -> str:
+        return self._resolver.service_of(cgid) if self._resolver else "unknown"
+
+    def _cgroups_of(self, service: str) -> set[int]:
+        figures = self.store.totals().get(service)
+        return set(figures.cgroups) if figures else set()
 
     def _describe_services(self) -> list[dict]:
         return self._resolver.describe() if self._resolver else []
@@ -124,6 +142,7 @@ class Daemon:
         cgroups = CgroupPaths(features.cgroup2)
         self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services)
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
+        self._drain_thread.start()
 
     def poll_once(self) -> None:
         t0 = time.monotonic()
@@ -132,6 +151,22 @@ class Daemon:
         self.poll_seconds = time.monotonic() - t0
         self.polls += 1
         self.state.ready = True
+
+    def drain_events_once(self) -> None:
+        cgids = self.request_sched.watched_cgroups()
+        if cgids != self._watched:
+            self._probe.watch(cgids)
+            self._watched = cgids
+        drained_at = time.time()
+        self.request_sched.ingest(self._probe.drain_events(), drained_at)
+
+    def _drain_loop(self) -> None:
+        while not self.stop_event.wait(EVENT_DRAIN_S):
+            try:
+                if self._probe is not None:
+                    self.drain_events_once()
+            except Exception:
+                log.exception("draining scheduler events failed; retrying")
 
     def loop(self) -> None:
         interval = self.config.interval
@@ -147,6 +182,9 @@ class Daemon:
                 deadline = time.monotonic() + interval
 
     def close(self) -> None:
+        self.stop_event.set()
+        if self._drain_thread.is_alive():
+            self._drain_thread.join(timeout=2.0)
         if self._probe is not None:
             self._probe.close()
             self._probe = None

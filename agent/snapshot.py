@@ -44,6 +44,25 @@ class ProgramStats:
     run_time_ns: int
 
 
+# sched_event kinds, as in bpf/sched.h
+EV_RUNQ = 0
+EV_PREEMPTED = 1
+EV_IOWAIT = 2
+EV_MIGRATE = 3
+
+
+@dataclass(frozen=True)
+class SchedEvent:
+    """One wait of a task in a watched cgroup, on CLOCK_MONOTONIC."""
+
+    cgid: int
+    kind: int
+    start_ns: int
+    end_ns: int
+    other_cgid: int   # the preemptor for EV_PREEMPTED, else 0
+    tid: int
+
+
 @dataclass(frozen=True)
 class ProbeSnapshot:
     mono_ns: int                 # CLOCK_MONOTONIC when the maps were read

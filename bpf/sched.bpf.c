@@ -9,6 +9,8 @@
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
  *   MAX_TASKS, MAX_HIST, MAX_PAIRS, MAX_CGROUPS   map sizes
+ *   EVENT_PAGES     ring buffer size in pages (a power of two)
+ *   MAX_EVENT_RATE  events per CPU per ~1.07 s (2^30 ns) window
  */
 #include "sched.h"
 
@@ -20,6 +22,14 @@ BPF_TABLE("percpu_hash", struct hist_key, struct hist_val, hists, MAX_HIST);
 BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, pairs, MAX_PAIRS);
 BPF_TABLE("percpu_hash", u64, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
+
+/* Exact per-wait events, only for cgroups user space watches. watch_on[0] is
+ * zero until something is watched, so hosts without request spans pay one
+ * array lookup (inlined by the verifier) per wait and nothing more. */
+BPF_TABLE("array", u32, u32, watch_on, 1);
+BPF_TABLE("hash", u64, u8, watched, MAX_WATCHED);
+BPF_TABLE("percpu_array", u32, struct event_rate, event_rates, 1);
+BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
 
 static __always_inline void count_error(u32 which)
 {
@@ -81,6 +91,52 @@ static __always_inline void cgroup_count(u64 cgid, u32 field)
         count_error(ERR_CGROUP);
 }
 
+static __always_inline bool is_watched(u64 cgid)
+{
+    u32 zero = 0;
+    u32 *on = watch_on.lookup(&zero);
+    if (!on || !*on)
+        return false;
+    return watched.lookup(&cgid) != NULL;
+}
+
+static __always_inline bool rate_ok(u64 now)
+{
+    u32 zero = 0;
+    struct event_rate *r = event_rates.lookup(&zero);
+    if (!r)
+        return false;
+    u64 window = now >> 30;
+    if (r->window != window) {
+        r->window = window;
+        r->count = 0;
+    }
+    if (r->count >= MAX_EVENT_RATE) {
+        count_error(ERR_EVENT_RATE);
+        return false;
+    }
+    r->count++;
+    return true;
+}
+
+static __always_inline void emit(u64 cgid, u32 kind, u64 start, u64 end, u64 other, u32 tid)
+{
+    if (!is_watched(cgid) || !rate_ok(end))
+        return;
+    struct sched_event *e = events.ringbuf_reserve(sizeof(struct sched_event));
+    if (!e) {
+        count_error(ERR_EVENTS);
+        return;
+    }
+    e->cgid = cgid;
+    e->other_cgid = other;
+    e->start_ns = start;
+    e->end_ns = end;
+    e->tid = tid;
+    e->kind = kind;
+    events.ringbuf_submit(e, 0);
+}
+
 #define CG_MIGRATIONS 0
 #define CG_UNTRACED_SWITCH_IN 1
 #define CG_UNTRACED_SWITCH_OUT 2
@@ -105,6 +161,8 @@ TRACEPOINT_PROBE(sched, sched_switch)
                 hist_add(next_cgid, HIST_RUNQ, wait);
                 if (st == TS_PREEMPTED)
                     pair_add(next_cgid, n->preemptor_cgid, wait);
+                emit(next_cgid, st == TS_PREEMPTED ? EV_PREEMPTED : EV_RUNQ, n->ts, now,
+                     st == TS_PREEMPTED ? n->preemptor_cgid : 0, next_pid);
             } else if (st == TS_RUNNING) {
                 cgroup_count(next_cgid, CG_UNTRACED_SWITCH_OUT);
             } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
@@ -159,8 +217,10 @@ static __always_inline int on_wakeup(u32 pid)
     if (st == TS_RUNNING || st == TS_RUNNABLE || st == TS_PREEMPTED)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    if (st == TS_BLOCKED)
+    if (st == TS_BLOCKED) {
         hist_add(t->cgid, HIST_IOWAIT, now - t->ts);
+        emit(t->cgid, EV_IOWAIT, t->ts, now, 0, pid);
+    }
     t->state = TS_RUNNABLE;
     t->ts = now;
     return 0;
@@ -180,8 +240,11 @@ TRACEPOINT_PROBE(sched, sched_migrate_task)
 {
     u32 pid = args->pid;
     struct task_info *t = tasks.lookup(&pid);
-    if (t)
+    if (t) {
         cgroup_count(t->cgid, CG_MIGRATIONS);
+        u64 now = bpf_ktime_get_ns();
+        emit(t->cgid, EV_MIGRATE, now, now, 0, pid);
+    }
     return 0;
 }
 

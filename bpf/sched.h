@@ -31,7 +31,15 @@
 #define ERR_HIST 1        /* histogram map update failed (full) */
 #define ERR_PAIR 2        /* preemption map update failed (full) */
 #define ERR_CGROUP 3      /* per-cgroup counter map update failed (full) */
-#define NR_ERRORS 4
+#define ERR_EVENTS 4      /* event ring buffer full */
+#define ERR_EVENT_RATE 5  /* event dropped by the per-CPU rate limit */
+#define NR_ERRORS 6
+
+/* sched_event.kind */
+#define EV_RUNQ 0         /* run-queue wait after a wakeup or yield */
+#define EV_PREEMPTED 1    /* run-queue wait after a preemption; other_cgid = preemptor */
+#define EV_IOWAIT 2       /* uninterruptible sleep until wakeup */
+#define EV_MIGRATE 3      /* migration (start == end) */
 
 struct task_info {
     __u64 ts;              /* ns, CLOCK_MONOTONIC, when the current state began */
@@ -70,6 +78,24 @@ struct cgroup_val {
     __u64 untraced_switch_in;   /* switch-out of a task still marked runnable */
     __u64 untraced_switch_out;  /* switch-in of a task already marked running */
     __u64 untraced_wakeup;      /* switch-in of a task still marked asleep */
+};
+
+/* One wait of a task in a watched cgroup (a service that sends request
+ * spans), streamed through a ring buffer so a request's window can be cut
+ * exactly rather than from per-interval totals. */
+struct sched_event {
+    __u64 cgid;
+    __u64 other_cgid;
+    __u64 start_ns;
+    __u64 end_ns;
+    __u32 tid;
+    __u32 kind;
+};
+
+/* Per-CPU rate limit of the event stream (bpf/sched.bpf.c rate_ok()). */
+struct event_rate {
+    __u64 window;
+    __u64 count;
 };
 
 #endif

@@ -8,10 +8,13 @@ per-event records from the kernel for services that send spans.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+from agent.snapshot import SchedEvent
+from agent.store.events import EventLog
 from agent.store.store import Store
 
 
@@ -78,3 +81,85 @@ class IntervalSched:
                 by[culprit] = by.get(culprit, 0.0) + p.wait_ns / 1e9 * share
         ranked = tuple(sorted(by.items(), key=lambda kv: kv[1], reverse=True))
         return RequestSched(runq, round(preemptions), ranked, iowait, round(migrations), self._interval)
+
+
+def wall_minus_mono_ns() -> int:
+    """CLOCK_REALTIME - CLOCK_MONOTONIC, sampled with the tightest bracket of
+    three reads, to place kernel timestamps (monotonic) on span times (wall)."""
+    best = None
+    for _ in range(3):
+        m0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        w = time.time_ns()
+        m1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if best is None or m1 - m0 < best[0]:
+            best = (m1 - m0, w - (m0 + m1) // 2)
+    return best[1]
+
+
+class EventSched:
+    """Exact figures from the kernel's per-wait events of watched services.
+
+    A service is watched from the first request span it sends; requests that
+    started before its events began flowing get the interval-prorated figures
+    of `fallback` (and say so through resolution_seconds).
+    """
+
+    def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
+                 fallback: RequestSchedSource) -> None:
+        self._log = log
+        self._cgroups_of = cgroups_of
+        self._service_of = service_of
+        self._fallback = fallback
+        self._lock = threading.Lock()
+        self._watching: dict[str, float] = {}     # service -> wall time events began
+        self._covered_until = 0.0
+        self._offset_ns = wall_minus_mono_ns()
+
+    def watch(self, service: str) -> None:
+        with self._lock:
+            self._watching.setdefault(service, float("inf"))  # starts at the next refresh
+
+    def watched_cgroups(self) -> set[int]:
+        """The cgroups to stream events for now; marks newly watched services
+        as covered from this moment on."""
+        with self._lock:
+            services = list(self._watching)
+        cgids: set[int] = set()
+        for service in services:
+            found = self._cgroups_of(service)
+            cgids |= found
+            with self._lock:
+                if found and self._watching[service] == float("inf"):
+                    self._watching[service] = time.time()
+        return cgids
+
+    def ingest(self, events: list[SchedEvent], drained_at_wall: float) -> None:
+        """Events drained from the ring buffer when the wall clock read
+        drained_at_wall: everything that ended before then is in."""
+        self._log.add(events)
+        self._offset_ns = wall_minus_mono_ns()
+        with self._lock:
+            self._covered_until = drained_at_wall
+
+    def covered_until(self) -> float:
+        # Both sources must have caught up: requests of services watched too
+        # recently are answered by the fallback.
+        with self._lock:
+            watching, events = bool(self._watching), self._covered_until
+        fallback = self._fallback.covered_until()
+        return min(events, fallback) if watching else fallback
+
+    def between(self, service: str, start: float, end: float) -> RequestSched:
+        with self._lock:
+            since = self._watching.get(service, float("inf"))
+        if start < since:
+            return self._fallback.between(service, start, end)
+        offset = self._offset_ns
+        f = self._log.between(self._cgroups_of(service), int(start * 1e9) - offset, int(end * 1e9) - offset)
+        by: dict[str, float] = {}
+        for cgid, wait_ns in f.preempted_by.items():
+            name = self._service_of(cgid) if cgid else "unknown"
+            by[name] = by.get(name, 0.0) + wait_ns / 1e9
+        ranked = tuple(sorted(by.items(), key=lambda kv: kv[1], reverse=True))
+        return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, ranked, f.iowait_ns / 1e9, f.migrations,
+                            resolution_seconds=1e-6)

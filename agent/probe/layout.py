@@ -45,6 +45,21 @@ class CgroupVal(ct.Structure):
     ]
 
 
+class SchedEvent(ct.Structure):
+    _fields_ = [
+        ("cgid", ct.c_uint64),
+        ("other_cgid", ct.c_uint64),
+        ("start_ns", ct.c_uint64),
+        ("end_ns", ct.c_uint64),
+        ("tid", ct.c_uint32),
+        ("kind", ct.c_uint32),
+    ]
+
+
+class EventRate(ct.Structure):
+    _fields_ = [("window", ct.c_uint64), ("count", ct.c_uint64)]
+
+
 # map name -> (key type, value type) as declared in bpf/sched.bpf.c
 MAP_TYPES: dict[str, tuple[type, type]] = {
     "tasks": (ct.c_uint32, TaskInfo),
@@ -52,7 +67,10 @@ MAP_TYPES: dict[str, tuple[type, type]] = {
     "pairs": (PairKey, PairVal),
     "cgroups": (ct.c_uint64, CgroupVal),
     "errors": (ct.c_uint32, ct.c_uint64),
+    "watch_on": (ct.c_uint32, ct.c_uint32),
+    "watched": (ct.c_uint64, ct.c_uint8),
+    "event_rates": (ct.c_uint32, EventRate),
 }
 
 # index in the errors array -> the map whose update failed (bpf/sched.h ERR_*)
-ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups")
+ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups", "events", "events_rate_limited")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import agent
 from agent.probe.features import Features
-from agent.probe.layout import ERROR_MAPS, MAP_TYPES, CgroupVal, HistKey, HistVal, PairKey, PairVal
-from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
+from agent.probe.layout import ERROR_MAPS, MAP_TYPES, SchedEvent as RawEvent
+from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats, SchedEvent
 
 BATCH = 512
 
@@ -31,6 +31,9 @@ class MapSizes:
     hists: int = 32768
     pairs: int = 8192
     cgroups: int = 2048
+    watched: int = 1024
+    event_pages: int = 1024          # 4 MiB of ring buffer with 4 KiB pages
+    event_rate: int = 50000          # events per CPU per ~1.07 s
 
 
 def bpf_source_dir() -> Path:
@@ -52,7 +55,12 @@ def cflags(features: Features, sizes: MapSizes) -> list[str]:
         "MAX_HIST": sizes.hists,
         "MAX_PAIRS": sizes.pairs,
         "MAX_CGROUPS": sizes.cgroups,
+        "MAX_WATCHED": sizes.watched,
+        "EVENT_PAGES": sizes.event_pages,
+        "MAX_EVENT_RATE": sizes.event_rate,
     }
+    if sizes.event_pages & (sizes.event_pages - 1):
+        raise ValueError(f"EVENT_PAGES={sizes.event_pages} must be a power of two")
     for name, value in values.items():
         if not isinstance(value, int) or value < 0 or value >= 1 << 32:
             raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")
@@ -74,6 +82,8 @@ class Probe:
         self._buffers: dict[str, tuple] = {}
         self.load_mono_ns = monotonic_ns()
         self.load_wall = time.time()
+        self._events: list[SchedEvent] = []
+        self._ring_open = False
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes()) -> "Probe":
@@ -99,6 +109,32 @@ class Probe:
         for name, fn in self._bpf.funcs.items():
             short = name.decode().rsplit("__", 1)[-1]
             out[short] = fn.fd
+        return out
+
+    def watch(self, cgids: set[int]) -> None:
+        """Stream exact wait events for exactly these cgroups from now on."""
+        table = self._bpf[b"watched"]
+        current = {int(k.value) for k in table.keys()}
+        for cgid in current - cgids:
+            del table[table.Key(cgid)]
+        for cgid in cgids - current:
+            table[table.Key(cgid)] = table.Leaf(1)
+        if cgids and not self._ring_open:
+            self._bpf[b"events"].open_ring_buffer(self._on_event)
+            self._ring_open = True
+        on = self._bpf[b"watch_on"]
+        on[on.Key(0)] = on.Leaf(1 if cgids else 0)
+
+    def _on_event(self, ctx, data, size) -> None:
+        e = ct.cast(data, ct.POINTER(RawEvent)).contents
+        self._events.append(SchedEvent(e.cgid, e.kind, e.start_ns, e.end_ns, e.other_cgid, e.tid))
+
+    def drain_events(self) -> list[SchedEvent]:
+        """Every event the ring buffer holds, oldest first."""
+        if not self._ring_open:
+            return []
+        self._bpf.ring_buffer_consume()
+        out, self._events = self._events, []
         return out
 
     def baseline(self) -> ProbeSnapshot:
