@@ -1,0 +1,271 @@
+"""Metric figures computed from the store: one catalog, one computation, many exporters.
+
+The Prometheus collector and the OTLP metrics exporter both turn the same
+`Family` list into their own wire format, so a figure (a bucket count, a wait
+total, a quantile) is computed in exactly one place and the two exports cannot
+disagree. Pure: no host access, no bcc, nothing at import time.
+
+Counters are built from the store's totals since start, which never shrink;
+gauges from its recent window. Figures the store does not hold (cgroup CPU
+throttling, SLO breach counts, per-request scheduling delay) come from hooks in
+`Sources`; without a hook the family is still declared (so the catalog and the
+docs are complete) but carries no points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from agent import __version__
+from agent.attribution.attribution import judge_slos
+from agent.config import Slo
+from agent.probe.layout import ERROR_MAPS
+from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
+from agent.store.store import Store
+
+MetricType = Literal["counter", "gauge", "histogram", "summary"]
+
+QUANTILES = (0.5, 0.95, 0.99)
+QUANTILE_WINDOW_S = 60.0
+# Untraced-event kinds, in the order the store counts them.
+UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric as users see it. `name` is the base name: a counter is
+    exposed to Prometheus as name + "_total", a histogram as its _bucket/_sum/_count."""
+
+    name: str
+    type: MetricType
+    help: str
+    labels: tuple[str, ...]
+    unit: str = ""          # UCUM-ish unit for OTLP: "s", "1"
+    source: str = "store"   # where the figure comes from (for the docs)
+
+    @property
+    def exposed_names(self) -> tuple[str, ...]:
+        """The sample names a Prometheus scrape shows for this metric."""
+        if self.type == "counter":
+            return (self.name + "_total",)
+        if self.type == "histogram":
+            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
+        if self.type == "summary":
+            return (self.name, self.name + "_sum", self.name + "_count")
+        return (self.name,)
+
+
+@dataclass(frozen=True)
+class Point:
+    """A counter or gauge value for one label set."""
+
+    labels: tuple[str, ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class HistogramPoint:
+    """Cumulative bucket counts at `bounds` (seconds), then the total (+Inf)."""
+
+    labels: tuple[str, ...]
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum: float
+
+    @property
+    def count(self) -> int:
+        return self.cumulative[-1]
+
+
+@dataclass(frozen=True)
+class SummaryPoint:
+    """Quantiles over a recent window, count and sum since start: the usual
+    meaning of a Prometheus summary (client summaries slide their quantiles too)."""
+
+    labels: tuple[str, ...]
+    quantiles: tuple[tuple[float, float], ...]   # (q, value in seconds); empty without recent samples
+    count: int
+    sum: float
+
+
+AnyPoint = Point | HistogramPoint | SummaryPoint
+
+
+@dataclass(frozen=True)
+class Family:
+    spec: MetricSpec
+    points: tuple[AnyPoint, ...]
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the store does not hold; each hook returns cumulative figures.
+
+    throttled_seconds: service -> seconds its cgroups were throttled (cpu.stat).
+    slo_breaches: (service, slo name) -> intervals or requests that broke it.
+    request_sched_delay: service -> histogram of per-request run-queue wait.
+    agent_stats: self-metrics of the daemon's loop, by metric name
+      (slatrace_poll_duration_seconds, slatrace_poll_errors).
+    """
+
+    slos: tuple[Slo, ...] = ()
+    throttled_seconds: Callable[[], Mapping[str, float]] | None = None
+    slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
+    request_sched_delay: Callable[[], Mapping[str, Histogram]] | None = None
+    agent_stats: Callable[[], Mapping[str, float]] | None = None
+
+
+def _spec(name: str, type_: MetricType, help_: str, labels: tuple[str, ...], unit: str = "",
+          source: str = "store") -> MetricSpec:
+    return MetricSpec(name, type_, help_, labels, unit, source)
+
+
+_SVC = ("service",)
+
+RUNQ_LATENCY = _spec("slatrace_runq_latency_seconds", "histogram",
+                     "Time from becoming runnable (wakeup, new task or preemption) to running on a CPU.",
+                     _SVC, "s")
+RUNQ_WAIT = _spec("slatrace_runq_wait_seconds", "counter",
+                  "Sum of run-queue latency: seconds the service's threads spent runnable but not running.",
+                  _SVC, "s")
+PREEMPTIONS = _spec("slatrace_preemptions", "counter",
+                    "Involuntary context switches of the service's tasks, by the service that took the CPU.",
+                    ("service", "by_service"), "1")
+PREEMPTED_WAIT = _spec("slatrace_preempted_wait_seconds", "counter",
+                       "Run-queue wait that followed those preemptions, by the service that took the CPU.",
+                       ("service", "by_service"), "s")
+IOWAIT = _spec("slatrace_iowait_seconds", "histogram",
+               "Time blocked in uninterruptible sleep (D state) until woken.", _SVC, "s")
+MIGRATIONS = _spec("slatrace_migrations", "counter", "Task migrations between CPUs.", _SVC, "1")
+THROTTLED = _spec("slatrace_cpu_throttled_seconds", "counter",
+                  "CPU-quota throttling of the service's cgroups (cpu.stat throttled_usec).", _SVC, "s",
+                  source="hook: Sources.throttled_seconds")
+# A summary rather than a gauge with a `quantile` label: the series are the
+# same (`...{quantile="0.99"}`), and it is the type Prometheus' own linter
+# accepts a `quantile` label on.
+RUNQ_QUANTILE = _spec("slatrace_runq_latency_quantile_seconds", "summary",
+                      f"Run-queue latency quantiles over the last {QUANTILE_WINDOW_S:.0f} s, interpolated in "
+                      "the in-kernel log-linear histogram (1/16-octave slots); _sum and _count since start.",
+                      _SVC, "s")
+SLO_BREACHES = _spec("slatrace_slo_breaches", "counter",
+                     "Intervals (or requests) that broke an SLO.", ("service", "slo"), "1",
+                     source="hook: Sources.slo_breaches")
+SLO_TARGET = _spec("slatrace_slo_target_seconds", "gauge", "Configured SLO target.", ("service", "slo"), "s",
+                   source="config slos")
+SLO_VALUE = _spec("slatrace_slo_value_seconds", "gauge",
+                  f"Value the SLO is judged on, over the last {QUANTILE_WINDOW_S:.0f} s (absent without samples).",
+                  ("service", "slo"), "s", source="config slos")
+SLO_OK = _spec("slatrace_slo_ok", "gauge",
+               f"1 when the SLO holds over the last {QUANTILE_WINDOW_S:.0f} s (or had no samples), 0 when broken.",
+               ("service", "slo"), "1", source="config slos")
+REQUEST_SCHED_DELAY = _spec("slatrace_request_sched_delay_seconds", "histogram",
+                            "Per request span: run-queue wait of the service's tasks during the request.",
+                            _SVC, "s", source="hook: Sources.request_sched_delay")
+UNTRACED = _spec("slatrace_untraced_events", "counter",
+                 "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
+                 "from the event stream); counted, never invented.", ("service", "kind"), "1")
+BPF_EVENTS = _spec("slatrace_bpf_events", "counter", "Runs of each BPF program (kernel BPF stats).",
+                   ("program",), "1")
+BPF_RUN = _spec("slatrace_bpf_run_seconds", "counter", "Time spent in each BPF program (kernel BPF stats).",
+                ("program",), "s")
+MAP_ERRORS = _spec("slatrace_bpf_map_errors", "counter",
+                   "Failed BPF map updates (map full, busy) and dropped events, per map.", ("map",), "1")
+POLL_DURATION = _spec("slatrace_poll_duration_seconds", "gauge",
+                      "Time the last collection took to read the BPF maps and store the interval.", (), "s",
+                      source="hook: Sources.agent_stats")
+POLL_ERRORS = _spec("slatrace_poll_errors", "counter", "Collections that failed (retried next interval).",
+                    (), "1", source="hook: Sources.agent_stats")
+SERVICES_TRACKED = _spec("slatrace_services_tracked", "gauge",
+                         "Distinct service label values exported (bounded by max_services, overflow is "
+                         "\"other\").", (), "1")
+INTERVALS = _spec("slatrace_intervals_collected", "counter", "Intervals collected since the agent started.",
+                  (), "1")
+BUILD_INFO = _spec("slatrace_build_info", "gauge", "slatrace version; always 1.", ("version",), "1")
+
+CATALOG: tuple[MetricSpec, ...] = (
+    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
+    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, BPF_EVENTS, BPF_RUN,
+    MAP_ERRORS, POLL_DURATION, POLL_ERRORS, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
+)
+# Daemon stats that have a spec of their own; other keys are not exported.
+AGENT_STATS = {POLL_DURATION.name: POLL_DURATION, POLL_ERRORS.name: POLL_ERRORS}
+
+
+def histogram_point(labels: tuple[str, ...], hist: Histogram,
+                    bounds: tuple[float, ...] | None = None) -> HistogramPoint:
+    """Classic buckets of a log-linear histogram. The bounds sit on slot
+    boundaries, so each cumulative count is exact, not re-estimated."""
+    bounds = classic_bounds() if bounds is None else bounds
+    return HistogramPoint(labels, bounds, tuple(cumulative_counts(hist, bounds)), hist.sum_seconds)
+
+
+def compute(store: Store, sources: Sources = Sources(), now: float | None = None) -> list[Family]:
+    """Every family of CATALOG, in catalog order, from one look at the store."""
+    # Window first: a scrape racing an ingest then sees totals at least as new
+    # as the window, never a window newer than the counters.
+    window = store.window(QUANTILE_WINDOW_S, now=now)
+    totals = store.totals()
+    services = sorted(totals)
+    bounds = classic_bounds()
+    points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
+
+    for s in services:
+        f = totals[s]
+        points[RUNQ_LATENCY.name].append(histogram_point((s,), f.runq, bounds))
+        points[RUNQ_WAIT.name].append(Point((s,), f.runq.sum_seconds))
+        for by, p in sorted(f.preempted_by.items()):
+            points[PREEMPTIONS.name].append(Point((s, by), p.count))
+            points[PREEMPTED_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
+        points[IOWAIT.name].append(histogram_point((s,), f.iowait, bounds))
+        points[MIGRATIONS.name].append(Point((s,), f.migrations))
+        for kind, n in zip(UNTRACED_KINDS, (f.untraced_switch_in, f.untraced_switch_out, f.untraced_wakeup)):
+            points[UNTRACED.name].append(Point((s, kind), n))
+
+    for s in services:
+        recent = window.services.get(s)
+        qs = tuple((q, recent.runq.quantile(q)) for q in QUANTILES) if recent and recent.runq.count else ()
+        runq = totals[s].runq
+        points[RUNQ_QUANTILE.name].append(SummaryPoint((s,), qs, runq.count, runq.sum_seconds))
+
+    # SLOs are judged for every configured service that has been seen, on the
+    # same window as the quantile gauges, with the attribution API's judge.
+    for s in services:
+        figures = window.services.get(s)
+        if figures is None:
+            continue
+        for r in judge_slos(sources.slos, s, figures):
+            points[SLO_TARGET.name].append(Point((s, r.name), r.target))
+            if r.value is not None:
+                points[SLO_VALUE.name].append(Point((s, r.name), r.value))
+            points[SLO_OK.name].append(Point((s, r.name), 1.0 if r.ok else 0.0))
+
+    if sources.throttled_seconds is not None:
+        for s, v in sorted(sources.throttled_seconds().items()):
+            points[THROTTLED.name].append(Point((s,), v))
+    if sources.slo_breaches is not None:
+        for (s, slo), n in sorted(sources.slo_breaches().items()):
+            points[SLO_BREACHES.name].append(Point((s, slo), n))
+    if sources.request_sched_delay is not None:
+        for s, h in sorted(sources.request_sched_delay().items()):
+            points[REQUEST_SCHED_DELAY.name].append(histogram_point((s,), h, bounds))
+
+    for name, st in sorted(store.programs().items()):
+        points[BPF_EVENTS.name].append(Point((name,), st.run_cnt))
+        points[BPF_RUN.name].append(Point((name,), st.run_time_ns / 1e9))
+    # Every map is exported from the start, at 0: an error counter that appears
+    # only with the first error defeats rate() and increase() in alerts.
+    errors = {m: 0 for m in ERROR_MAPS} | store.error_totals()
+    for name, n in sorted(errors.items()):
+        points[MAP_ERRORS.name].append(Point((name,), n))
+
+    stats = sources.agent_stats() if sources.agent_stats is not None else {}
+    for name, spec in AGENT_STATS.items():
+        if name in stats:
+            points[spec.name].append(Point((), float(stats[name])))
+    points[SERVICES_TRACKED.name].append(Point((), float(len(services))))
+    points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
+    points[BUILD_INFO.name].append(Point((__version__,), 1.0))
+
+    return [Family(spec, tuple(points[spec.name])) for spec in CATALOG]
