@@ -1,14 +1,20 @@
 """cgroup id -> service name: the operator's rules first, then automatic names.
 
 Called once per cgroup per interval by the aggregation loop, so answers are
-cached per cgroup id; an entry is re-resolved when the cgroup's path changes or
-after `refresh_s`, because `comm` and `pid` rules depend on which processes are
-in the cgroup right now.
+cached per cgroup id; an entry is re-resolved when the cgroup's path changes,
+when the pod index changes, or after `refresh_s`, because `comm` and `pid`
+rules depend on which processes are in the cgroup right now.
+
+Automatic names (SPEC.md): a Kubernetes container -> NAMESPACE/WORKLOAD, a
+systemd unit -> the unit name, a Docker container -> its name, the root cgroup
+-> host, any other cgroup -> its path. A service whose cgroups stop showing up
+is forgotten after `retention_s`, so the listing does not grow forever.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
 import threading
 import time
@@ -18,13 +24,21 @@ from pathlib import Path
 
 from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
+from agent.identity.docker import DockerNames, docker_container_id
+from agent.identity.kubernetes import PodIndex, parse_kubepods_path
+from agent.identity.systemd import systemd_unit
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "HOST",
     "OTHER",
     "UNKNOWN",
+    "Identity",
     "Service",
     "ServiceResolver",
+    "identify",
+    "psutil_processes",
 ]
 
 HOST = "host"
@@ -34,11 +48,86 @@ OTHER = "other"
 
 @dataclass(frozen=True)
 class Service:
-    """A service name and where it came from: config, cgroup, kernel or host
-    (k8s, systemd and docker once those resolvers exist)."""
+    """A service name and where it came from: config, k8s, systemd, docker,
+    cgroup, kernel or host."""
 
     name: str
     source: str
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What one cgroup is, from its path and the metadata behind it. `name` and
+    `source` are the automatic service name; the rest feeds rules and listings."""
+
+    name: str
+    source: str
+    pod_uid: str | None = None
+    namespace: str | None = None
+    pod: str | None = None
+    workload: str | None = None
+    container: str | None = None
+    container_id: str | None = None
+    runtime: str | None = None
+    qos: str | None = None
+    unit: str | None = None
+
+    def details(self) -> dict:
+        """The non-empty identity fields, for /api/v1/services."""
+        keys = ("pod_uid", "namespace", "pod", "workload", "container", "container_id",
+                "runtime", "qos", "unit")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+def identify(path: str, pods: PodIndex | None = None, docker: DockerNames | None = None) -> Identity:
+    """The automatic identity of cgroup `path`; kubepods first, because pod
+    containers are also systemd scopes and may be Docker containers."""
+    if path == "/":
+        return Identity(HOST, "host")
+    ref = parse_kubepods_path(path)
+    if ref is not None:
+        info = pods.get(ref.pod_uid) if pods is not None else None
+        if info is None:
+            # Without the API only the UID is known; the name changes to
+            # NAMESPACE/WORKLOAD as soon as the pod object arrives.
+            return Identity(f"pod/{ref.pod_uid}", "k8s", pod_uid=ref.pod_uid,
+                            container_id=ref.container_id, runtime=ref.runtime, qos=ref.qos)
+        container = None
+        if ref.container_id is not None:
+            container = info.containers.get(ref.container_id)
+            if container is None:  # the API may list a 12-char prefix or the full ID
+                container = next((n for cid, n in info.containers.items()
+                                  if cid.startswith(ref.container_id) or ref.container_id.startswith(cid)),
+                                 None)
+        return Identity(info.service_name, "k8s", pod_uid=ref.pod_uid, namespace=info.namespace,
+                        pod=info.name, workload=info.workload, container=container,
+                        container_id=ref.container_id, runtime=ref.runtime, qos=ref.qos)
+    cid = docker_container_id(path)
+    if cid is not None:
+        name = docker.name_of(cid) if docker is not None else None
+        return Identity(name or f"docker/{cid[:12]}", "docker", container=name, container_id=cid,
+                        runtime="docker")
+    unit = systemd_unit(path)
+    if unit is not None:
+        return Identity(unit, "systemd", unit=unit)
+    return Identity(path, "cgroup")
+
+
+def psutil_processes(pids: list[int], limit: int = 10) -> list[dict]:
+    """comm, cmdline and thread count of up to `limit` processes, via psutil;
+    processes that exit meanwhile are skipped."""
+    import psutil  # noqa: PLC0415  (only API listings need it)
+
+    out = []
+    for pid in pids[:limit]:
+        try:
+            p = psutil.Process(pid)
+            with p.oneshot():
+                out.append({"pid": pid, "comm": p.name(), "cmdline": " ".join(p.cmdline()),
+                            "threads": p.num_threads()})
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
 
 
 # Not a service of its own (never listed): the name for ids with no cgroup behind them.
@@ -49,9 +138,16 @@ _UNKNOWN = Service(UNKNOWN, "unknown")
 class _CompiledRule:
     rule: ServiceRule
     cgroup: re.Pattern[str] | None
-    # k8s_* and systemd_unit need metadata resolvers that do not exist yet; a rule
-    # naming one cannot be satisfied, so it matches nothing rather than everything.
-    unsatisfiable: bool
+
+
+# Rule key -> the Identity field it globs; a cgroup without that field (a
+# k8s_pod rule on a systemd unit, a pod whose object is unknown) never matches.
+_IDENTITY_MATCHERS = (
+    ("k8s_namespace", "namespace"),
+    ("k8s_pod", "pod"),
+    ("k8s_container", "container"),
+    ("systemd_unit", "unit"),
+)
 
 
 @dataclass
@@ -59,6 +155,8 @@ class _Entry:
     path: str | None
     service: Service
     resolved_at: float
+    identity: Identity
+    pods_generation: int
 
 
 class ServiceResolver:
@@ -72,19 +170,21 @@ class ServiceResolver:
         max_services: int = 500,
         *,
         refresh_s: float = 10.0,
+        retention_s: float = 900.0,
+        pods: PodIndex | None = None,
+        docker: DockerNames | None = None,
+        process_info: Callable[[list[int]], list[dict]] = psutil_processes,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._rules = [
-            _CompiledRule(
-                rule=r,
-                cgroup=cgroup_glob_regex(r.cgroup) if r.cgroup is not None else None,
-                unsatisfiable=any(
-                    v is not None
-                    for v in (r.k8s_namespace, r.k8s_pod, r.k8s_container, r.systemd_unit)
-                ),
-            )
+            _CompiledRule(rule=r, cgroup=cgroup_glob_regex(r.cgroup) if r.cgroup is not None else None)
             for r in rules
         ]
+        self.pods = pods
+        self.docker = docker
+        self.retention_s = retention_s
+        self._process_info = process_info
+        self._last_seen: dict[str, float] = {}
         self._cgroups = cgroup_paths
         self._proc = Path(proc_root)
         self.max_services = max_services
@@ -109,23 +209,28 @@ class ServiceResolver:
         now = self._clock()
         if now - self._swept_at >= self.sweep_s:
             self._sweep(now)
+        generation = self.pods.generation if self.pods is not None else 0
         with self._lock:
             entry = self._cache.get(cgid)
             if (
                 entry is not None
                 and entry.path == path
                 and now - entry.resolved_at < self.refresh_s
+                and (entry.identity.source != "k8s" or entry.pods_generation == generation)
             ):
-                return entry.service
+                self._last_seen[entry.service.name] = now
+                if entry.service.name in self._seen:
+                    return entry.service
         if path is None:
             # Not cached: a removed cgroup's id never comes back, so keeping it
             # would only grow the cache.
             with self._lock:
                 self._cache.pop(cgid, None)
             return _UNKNOWN
-        service = self._admit(self._name(path))
+        identity = identify(path, self.pods, self.docker)
+        service = self._admit(self._name(path, identity), now)
         with self._lock:
-            self._cache[cgid] = _Entry(path, service, now)
+            self._cache[cgid] = _Entry(path, service, now, identity, generation)
         return service
 
     def _sweep(self, now: float) -> None:
@@ -136,6 +241,21 @@ class ServiceResolver:
         with self._lock:
             for cgid in gone:
                 self._cache.pop(cgid, None)
+            # Services not resolved for a whole retention window have vanished.
+            for name, seen_at in list(self._last_seen.items()):
+                if now - seen_at > self.retention_s:
+                    del self._last_seen[name]
+                    self._seen.pop(name, None)
+
+    def cgroups_by_service(self) -> dict[str, list[str]]:
+        """Service -> paths of its cgroups resolved so far (cached, no I/O): what
+        the throttling poller reads cpu.stat for."""
+        with self._lock:
+            out: dict[str, list[str]] = {}
+            for e in self._cache.values():
+                if e.path is not None:
+                    out.setdefault(e.service.name, []).append(e.path)
+        return out
 
     def describe(self) -> list[dict]:
         """Services seen so far, in the /api/v1/services shape, sorted by name.
@@ -144,32 +264,46 @@ class ServiceResolver:
         per-interval path."""
         with self._lock:
             seen = list(self._seen.values())
-            entries = [(cgid, e.path, e.service.name) for cgid, e in self._cache.items()]
+            entries = [(cgid, e.path, e.service.name, e.identity) for cgid, e in self._cache.items()]
         cgroups: dict[str, set[str]] = {}
-        for cgid, path, name in entries:
+        identities: dict[str, dict[str, dict]] = {}
+        for cgid, path, name, identity in entries:
             # Fresh check, so a cgroup removed since it was resolved is not listed.
             if path is not None and self._cgroups.id_of(path) == cgid:
                 cgroups.setdefault(name, set()).add(path)
+                details = identity.details()
+                if details:
+                    identities.setdefault(name, {})[path] = details
         out = []
         for service in sorted(seen, key=lambda s: s.name):
             paths = sorted(cgroups.get(service.name, ()))
-            out.append(
-                {
-                    "name": service.name,
-                    "source": service.source,
-                    "cgroups": paths,
-                    "tasks": sum(self._cgroups.threads(p) for p in paths),
-                }
-            )
+            pids = sorted({pid for p in paths for pid in self._cgroups.pids(p)})
+            record = {
+                "name": service.name,
+                "source": service.source,
+                "cgroups": paths,
+                "tasks": sum(self._cgroups.threads(p) for p in paths),
+                "processes": len(pids),
+                "commands": self._process_info(pids),
+            }
+            found = identities.get(service.name)
+            if found:
+                record["identity"] = [found[p] for p in sorted(found)]
+            out.append(record)
         return out
 
-    def _name(self, path: str) -> Service:
+    def _name(self, path: str, identity: Identity) -> Service:
         procs: list[int] | None = None
         for compiled in self._rules:
-            if compiled.unsatisfiable:
-                continue
             rule = compiled.rule
             if compiled.cgroup is not None and not cgroup_glob_matches(compiled.cgroup, path):
+                continue
+            if not all(
+                getattr(identity, field) is not None
+                and fnmatch.fnmatchcase(getattr(identity, field), getattr(rule, key))
+                for key, field in _IDENTITY_MATCHERS
+                if getattr(rule, key) is not None
+            ):
                 continue
             if rule.pid is not None or rule.comm is not None:
                 if procs is None:
@@ -181,9 +315,7 @@ class ServiceResolver:
                 ):
                     continue
             return Service(rule.name, "config")
-        if path == "/":
-            return Service(HOST, "host")
-        return Service(path, "cgroup")
+        return Service(identity.name, identity.source)
 
     def _comms(self, pids: list[int]) -> Iterable[str]:
         # Lazily, so a match on the first process spares reading the rest.
@@ -193,17 +325,20 @@ class ServiceResolver:
             except OSError:
                 continue  # the process exited between cgroup.procs and here
 
-    def _admit(self, service: Service) -> Service:
+    def _admit(self, service: Service, now: float) -> Service:
         """Caps how many names reach the metrics: automatic names beyond
         max_services become "other". Names from config rules are always kept,
         since the operator asked for them and their number is bounded by the file."""
         with self._lock:
             if service.name in self._seen:
+                self._last_seen[service.name] = now
                 return self._seen[service.name]
             counted = sum(1 for name in self._seen if name != OTHER)
             if service.source != "config" and counted >= self.max_services:
                 service = Service(OTHER, "cgroup")
                 if OTHER in self._seen:
+                    self._last_seen[OTHER] = now
                     return self._seen[OTHER]
             self._seen[service.name] = service
+            self._last_seen[service.name] = now
             return service

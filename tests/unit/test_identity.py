@@ -245,8 +245,14 @@ def test_bad_glob_range_is_a_value_error() -> None:
 # --- ServiceResolver -------------------------------------------------------------
 
 
+def fake_processes(pids: list[int]) -> list[dict]:
+    """Stands in for psutil: the fake tree's pids are not this machine's processes."""
+    return [{"pid": pid, "comm": f"p{pid}", "cmdline": f"p{pid} --run", "threads": 1} for pid in pids]
+
+
 def resolver(tree: dict, rules: list[ServiceRule], **kw) -> ServiceResolver:
     paths = CgroupPaths(tree["root"], clock=tree["clock"])
+    kw.setdefault("process_info", fake_processes)
     return ServiceResolver(rules, paths, proc_root=tree["proc"], clock=tree["clock"], **kw)
 
 
@@ -257,7 +263,8 @@ def test_automatic_names(tree: dict) -> None:
     assert r.resolve(ids["/"]) == Service("host", "host")
     assert r.service_of(ids["/batch/etl"]) == "/batch/etl"
     assert r.resolve(ids["/batch/etl"]) == Service("/batch/etl", "cgroup")
-    assert r.service_of(ids[SYSTEMD_POD]) == SYSTEMD_POD
+    # A pod whose object is unknown (no API server) is named by its UID.
+    assert r.resolve(ids[SYSTEMD_POD]) == Service("pod/1d2c3b4a-5e6f-7a8b-9c0d-1e2f3a4b5c6d", "k8s")
     assert r.service_of(0) == "unknown"
     assert r.service_of(987654321) == "unknown"
 
@@ -302,7 +309,7 @@ def test_all_matchers_of_a_rule_must_match(tree: dict) -> None:
         ServiceRule(name="both", cgroup="/batch/*", comm="stress-ng"),
     ])
     assert r.service_of(ids["/batch/etl"]) == "both"
-    # k8s_* and systemd_unit are not resolved yet: they never match, never match all.
+    # No pod object and no systemd unit behind these cgroups: those rules cannot match.
     assert r.service_of(ids["/web"]) == "/web"
     assert r.service_of(ids["/"]) == "host"
 
@@ -360,16 +367,22 @@ def test_describe(tree: dict) -> None:
     r.service_of(0)
     r.service_of(424242)
     assert r.describe() == [
-        {"name": "batch", "source": "config", "cgroups": ["/batch", "/batch/etl"], "tasks": 7},
-        {"name": "host", "source": "host", "cgroups": ["/"], "tasks": 5},
-        {"name": "vllm", "source": "config", "cgroups": [SYSTEMD_POD], "tasks": 3},
+        {"name": "batch", "source": "config", "cgroups": ["/batch", "/batch/etl"], "tasks": 7,
+         "processes": 2, "commands": fake_processes([300, 301])},
+        {"name": "host", "source": "host", "cgroups": ["/"], "tasks": 5,
+         "processes": 2, "commands": fake_processes([1, 2])},
+        {"name": "vllm", "source": "config", "cgroups": [SYSTEMD_POD], "tasks": 3,
+         "processes": 1, "commands": fake_processes([500]),
+         "identity": [{"pod_uid": "1d2c3b4a-5e6f-7a8b-9c0d-1e2f3a4b5c6d",
+                       "container_id": "abc123def456", "runtime": "containerd", "qos": "burstable"}]},
     ]
     # A removed cgroup drops out of the listing; its service stays, with no tasks.
     pod = tree["root"] / SYSTEMD_POD.strip("/")
     for f in pod.iterdir():
         f.unlink()
     pod.rmdir()
-    assert r.describe()[2] == {"name": "vllm", "source": "config", "cgroups": [], "tasks": 0}
+    assert r.describe()[2] == {"name": "vllm", "source": "config", "cgroups": [], "tasks": 0,
+                               "processes": 0, "commands": []}
 
 
 def test_removed_cgroups_leave_the_cache(tree: dict) -> None:
