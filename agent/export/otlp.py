@@ -1,0 +1,453 @@
+"""OTLP metrics export: the figures of /metrics, pushed to an OpenTelemetry collector.
+
+The data are the Prometheus collectors' own metric families, read from the same
+registry /metrics serves and translated point for point into the SDK's
+MetricsData, which the SDK's OTLP exporter (gRPC or HTTP/protobuf) sends. Nothing
+is re-recorded through SDK instruments: an instrument would re-aggregate
+synthetic samples, while the agent already has exact cumulative bucket counts.
+Reading the registry rather than the store keeps both exports identical by
+construction, including metrics other modules add to the registry later.
+
+Every point carries the end of the newest interval in the store as its time, so
+a reader can tell which cumulative state it describes. Export runs on its own
+thread, one request at a time, each bounded by a timeout; a failed request is
+dropped and counted, never queued, so a dead collector costs neither the poll
+loop's time nor memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric as PromMetric
+from prometheus_client.registry import Collector, CollectorRegistry
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+    Sum,
+)
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from agent import __version__
+from agent.store.store import IntervalRecord, Store
+
+log = logging.getLogger("slatrace.otlp")
+
+GRPC = "grpc"
+HTTP_PROTOBUF = "http/protobuf"
+PROTOCOLS = (GRPC, HTTP_PROTOBUF)
+
+# Defaults of the OpenTelemetry specification (environment variables section).
+DEFAULT_EXPORT_INTERVAL_S = 60.0
+DEFAULT_EXPORTER_TIMEOUT_S = 10.0
+HTTP_METRICS_PATH = "/v1/metrics"
+
+SCOPE_NAME = "slatrace"
+# At most one log line per this many seconds while the collector stays down.
+FAILURE_LOG_PERIOD_S = 60.0
+
+# The loggers through which the SDK's exporters report each failed attempt.
+_SDK_EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+)
+
+
+class OtlpConfigError(ValueError):
+    """One sentence for the operator about an unusable OTLP setting."""
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    protocol: str       # GRPC or HTTP_PROTOBUF
+    endpoint: str       # what the exporter connects to (gRPC target or full HTTP URL)
+    interval_s: float   # between the end of one export and the start of the next
+    timeout_s: float    # bound on one export, retries included
+
+
+def resolve_protocol(flag: str | None, signal: str = "METRICS",
+                     environ: Mapping[str, str] | None = None) -> str:
+    """--otlp-protocol, else OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else
+    OTEL_EXPORTER_OTLP_PROTOCOL, else grpc: the SDKs' order (signal-specific first)."""
+    env = os.environ if environ is None else environ
+    for source, value in (("--otlp-protocol", flag),
+                          (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")),
+                          ("OTEL_EXPORTER_OTLP_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL"))):
+        if value:
+            value = value.strip().lower()
+            if value not in PROTOCOLS:
+                raise OtlpConfigError(f"{source}={value} is not supported; use one of {', '.join(PROTOCOLS)}")
+            return value
+    return GRPC
+
+
+def _positive_float(environ: Mapping[str, str], name: str, scale: float = 1.0) -> float | None:
+    raw = environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw) * scale
+    except ValueError:
+        raise OtlpConfigError(f"{name}={raw!r} is not a number") from None
+    if not value > 0 or math.isinf(value):
+        raise OtlpConfigError(f"{name}={raw!r} must be a positive number")
+    return value
+
+
+def resolve_settings(endpoint: str, protocol: str | None = None,
+                     environ: Mapping[str, str] | None = None) -> ExportSettings:
+    """Where and how often to export, from --otlp-endpoint and the standard variables.
+
+    The endpoint is a base URL, like OTEL_EXPORTER_OTLP_ENDPOINT: HTTP gets
+    /v1/metrics appended, gRPC uses it as is. OTEL_EXPORTER_OTLP_METRICS_ENDPOINT,
+    when set, is used as is and wins, as signal-specific settings do in the SDKs.
+    Timeouts: OTEL_EXPORTER_OTLP_METRICS_TIMEOUT, else OTEL_EXPORTER_OTLP_TIMEOUT
+    (seconds, as the Python SDK reads them), else 10 s; capped by
+    OTEL_METRIC_EXPORT_TIMEOUT (ms). Interval: OTEL_METRIC_EXPORT_INTERVAL (ms), else 60 s.
+    """
+    env = os.environ if environ is None else environ
+    proto = resolve_protocol(protocol, "METRICS", env)
+    signal_endpoint = (env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or "").strip()
+    if signal_endpoint:
+        target = signal_endpoint
+    else:
+        base = endpoint.strip()
+        if not base:
+            raise OtlpConfigError("the OTLP endpoint is empty; give --otlp-endpoint a URL such as "
+                                  "http://collector:4317")
+        target = base.rstrip("/") + HTTP_METRICS_PATH if proto == HTTP_PROTOBUF else base
+    if proto == HTTP_PROTOBUF and not target.startswith(("http://", "https://")):
+        raise OtlpConfigError(f"OTLP/HTTP endpoint {target!r} must start with http:// or https://")
+    timeout = (_positive_float(env, "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT")
+               or _positive_float(env, "OTEL_EXPORTER_OTLP_TIMEOUT") or DEFAULT_EXPORTER_TIMEOUT_S)
+    cap = _positive_float(env, "OTEL_METRIC_EXPORT_TIMEOUT", 1e-3)
+    if cap is not None:
+        timeout = min(timeout, cap)
+    interval = _positive_float(env, "OTEL_METRIC_EXPORT_INTERVAL", 1e-3) or DEFAULT_EXPORT_INTERVAL_S
+    return ExportSettings(protocol=proto, endpoint=target, interval_s=interval, timeout_s=timeout)
+
+
+def build_resource(environ: Mapping[str, str] | None = None) -> Resource:
+    """service.name=slatrace, host.name, k8s.node.name (from NODE_NAME); what
+    OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME say wins over these defaults."""
+    env = os.environ if environ is None else environ
+    attrs: dict[str, str] = {
+        "service.name": "slatrace",
+        "service.version": __version__,
+        "host.name": socket.gethostname(),
+    }
+    if env.get("NODE_NAME"):
+        attrs["k8s.node.name"] = env["NODE_NAME"]
+    # The SDK's detector reads os.environ itself; it parses and percent-decodes
+    # OTEL_RESOURCE_ATTRIBUTES and applies OTEL_SERVICE_NAME over it.
+    attrs.update(OTELResourceDetector().detect().attributes)
+    return Resource.create(attrs)
+
+
+def make_exporter(settings: ExportSettings) -> MetricExporter:
+    """The SDK's OTLP exporter for the protocol. Headers, compression, TLS
+    certificates and OTEL_EXPORTER_OTLP_INSECURE are read by the exporter itself
+    from the standard variables (metrics-specific first)."""
+    if settings.protocol == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # noqa: PLC0415 (loads grpc)
+            OTLPMetricExporter as GrpcExporter,
+        )
+        return GrpcExporter(endpoint=settings.endpoint, timeout=settings.timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (  # noqa: PLC0415
+        OTLPMetricExporter as HttpExporter,
+    )
+    return HttpExporter(endpoint=settings.endpoint, timeout=settings.timeout_s)
+
+
+# Prometheus families -> OTLP metrics.
+
+def _unit(family: PromMetric) -> str:
+    if family.unit:
+        return "s" if family.unit == "seconds" else family.unit
+    return "s" if family.name.endswith("_seconds") else ""
+
+
+def _number(value: float) -> int | float:
+    # The encoder picks as_int for ints and as_double for floats; counts the
+    # collectors hand over as ints stay ints, so they read back exactly.
+    return int(value) if isinstance(value, bool) else value
+
+
+def _histogram_points(family: PromMetric, start_ns: int, time_ns: int) -> list[HistogramDataPoint]:
+    # Samples of one series share the labels other than `le`.
+    series: dict[tuple[tuple[str, str], ...], dict[str, object]] = {}
+    for s in family.samples:
+        labels = {k: v for k, v in s.labels.items() if k != "le"}
+        entry = series.setdefault(tuple(sorted(labels.items())), {"labels": labels, "buckets": []})
+        if s.name == family.name + "_bucket":
+            entry["buckets"].append((float(s.labels["le"]), s.value))  # type: ignore[union-attr]
+        elif s.name == family.name + "_count":
+            entry["count"] = s.value
+        elif s.name == family.name + "_sum":
+            entry["sum"] = s.value
+    points = []
+    for entry in series.values():
+        buckets = sorted(entry["buckets"])  # type: ignore[arg-type]
+        if not buckets or buckets[-1][0] != math.inf:
+            log.debug("histogram %s has no +Inf bucket; not exported", family.name)
+            continue
+        cumulative = [int(v) for _, v in buckets]
+        per_bucket = [c - p for p, c in zip([0] + cumulative[:-1], cumulative)]
+        if any(n < 0 for n in per_bucket):
+            log.warning("histogram %s %s has decreasing cumulative counts; not exported",
+                        family.name, entry["labels"])
+            continue
+        points.append(HistogramDataPoint(
+            attributes=dict(entry["labels"]),  # type: ignore[arg-type]
+            start_time_unix_nano=start_ns,
+            time_unix_nano=time_ns,
+            count=int(entry.get("count", cumulative[-1])),  # type: ignore[arg-type]
+            sum=float(entry.get("sum", 0.0)),  # type: ignore[arg-type]
+            bucket_counts=per_bucket,
+            explicit_bounds=[le for le, _ in buckets[:-1]],
+            # Unknown: the kernel keeps per-slot counts, not extremes. None leaves
+            # the optional proto fields unset rather than claiming a value.
+            min=None,  # type: ignore[arg-type]
+            max=None,  # type: ignore[arg-type]
+        ))
+    return points
+
+
+def family_to_metric(family: PromMetric, start_ns: int, time_ns: int) -> Metric | None:
+    """One Prometheus metric family as one OTLP metric (cumulative), or None
+    for the types OTLP has no direct equivalent for (summary, stateset)."""
+    kind = family.type
+    if kind == "counter":
+        points = [NumberDataPoint(dict(s.labels), start_ns, time_ns, _number(s.value))
+                  for s in family.samples if s.name == family.name + "_total"]
+        data: Sum | Gauge | Histogram = Sum(points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        name = family.name
+    elif kind in ("gauge", "unknown", "info"):
+        # An info family's only sample is NAME_info = 1; Prometheus shows it so.
+        sample_name = family.name + "_info" if kind == "info" else family.name
+        points = [NumberDataPoint(dict(s.labels), 0, time_ns, _number(s.value))
+                  for s in family.samples if s.name == sample_name]
+        data = Gauge(points)
+        name = sample_name
+    elif kind == "histogram":
+        data = Histogram(_histogram_points(family, start_ns, time_ns), AggregationTemporality.CUMULATIVE)
+        name = family.name
+    else:
+        return None
+    return Metric(name=name, description=family.documentation, unit=_unit(family), data=data)
+
+
+def _consistent_families(registry: CollectorRegistry, store: Store,
+                         attempts: int = 3) -> tuple[list[PromMetric], IntervalRecord | None]:
+    """The registry's families and the newest interval they include.
+
+    The store swaps totals and the newest record under one lock, so when the
+    newest record is the same object before and after collecting, the families
+    describe exactly the state that ends at that record.
+    """
+    families: list[PromMetric] = []
+    before = store.latest()
+    for _ in range(attempts):
+        families = list(registry.collect())
+        after = store.latest()
+        if after is before:
+            break
+        before = after
+    return families, before
+
+
+def build_metrics_data(registry: CollectorRegistry, store: Store, resource: Resource,
+                       start_ns: int | None = None) -> MetricsData | None:
+    """MetricsData of everything the registry exposes, stamped with the end of
+    the newest interval; None before the first interval."""
+    families, latest = _consistent_families(registry, store)
+    if latest is None:
+        return None
+    if start_ns is None:
+        start_ns = store_start_ns(store)
+    time_ns = int(latest.end * 1e9)
+    metrics = [m for m in (family_to_metric(f, start_ns, time_ns) for f in families) if m is not None]
+    scope = InstrumentationScope(SCOPE_NAME, __version__)
+    return MetricsData([ResourceMetrics(resource, [ScopeMetrics(scope, metrics, "")], "")])
+
+
+def store_start_ns(store: Store) -> int:
+    """When the store's cumulative totals began: the start of its oldest interval
+    (exact while the first interval is still retained, which it is at the first
+    export unless retention is shorter than the export interval)."""
+    records = store.records(math.inf)
+    return int(min(r.start for r in records) * 1e9) if records else time.time_ns()
+
+
+class _RateLimitFilter(logging.Filter):
+    """Lets one record per message template through per period: a collector that
+    stays down must not fill the log with one error per attempt."""
+
+    def __init__(self, period_s: float) -> None:
+        super().__init__()
+        self._period_s = period_s
+        self._last: dict[tuple[str, object], float] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self._period_s:
+                return False
+            self._last[key] = now
+        return True
+
+
+@dataclass
+class ExportStats:
+    exports: int = 0          # requests the collector accepted
+    failures: int = 0         # requests dropped after the exporter gave up
+    dropped_points: int = 0   # data points in those requests
+    last_success: float = 0.0  # Unix seconds
+
+
+class OtlpMetricsExporter:
+    """Pushes the registry's figures over OTLP every interval, on its own thread."""
+
+    def __init__(self, registry: CollectorRegistry, store: Store, settings: ExportSettings,
+                 resource: Resource | None = None, exporter: MetricExporter | None = None) -> None:
+        self.settings = settings
+        self.stats = ExportStats()
+        self._registry = registry
+        self._store = store
+        self._resource = resource if resource is not None else build_resource()
+        self._exporter = exporter if exporter is not None else make_exporter(settings)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_ns: int | None = None
+        self._lock = threading.Lock()
+        self._failing_since_log = 0.0
+        self._log_filter = _RateLimitFilter(FAILURE_LOG_PERIOD_S)
+
+    @classmethod
+    def from_options(cls, registry: CollectorRegistry, store: Store, endpoint: str,
+                     protocol: str | None = None) -> "OtlpMetricsExporter":
+        """From --otlp-endpoint/--otlp-protocol and the standard variables;
+        OtlpConfigError (or the SDK's ValueError) on an unusable setting."""
+        return cls(registry, store, resolve_settings(endpoint, protocol))
+
+    def collector(self) -> Collector:
+        """A Prometheus collector for the export's own health, for /metrics."""
+        return _ExportStatsCollector(self)
+
+    def start(self) -> None:
+        for name in _SDK_EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self._log_filter)
+        self._thread = threading.Thread(target=self._run, name="otlp-metrics", daemon=True)
+        self._thread.start()
+        log.info("exporting OTLP metrics (%s) to %s every %.3g s", self.settings.protocol,
+                 self.settings.endpoint, self.settings.interval_s)
+
+    def stop(self) -> None:
+        """Stop without a final export: with the collector down it would hold
+        shutdown for a whole timeout, and the next start exports again anyway."""
+        self._stop.set()
+        try:
+            # Aborts the exporter's retry back-off if an export is in flight.
+            self._exporter.shutdown(timeout_millis=1000)
+        except Exception:
+            log.exception("shutting down the OTLP metrics exporter failed")
+        if self._thread is not None:
+            self._thread.join(self.settings.timeout_s + 1.0)
+            self._thread = None
+        for name in _SDK_EXPORTER_LOGGERS:
+            logging.getLogger(name).removeFilter(self._log_filter)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.interval_s):
+            self.export_once()
+
+    def export_once(self) -> bool | None:
+        """One export; True when accepted, False when dropped, None when there
+        is nothing to send yet. Never raises: the thread must keep going."""
+        data: MetricsData | None = None
+        error: Exception | None = None
+        try:
+            if self._start_ns is None and self._store.latest() is not None:
+                self._start_ns = store_start_ns(self._store)
+            data = build_metrics_data(self._registry, self._store, self._resource, self._start_ns)
+            if data is None:
+                return None
+            ok = self._exporter.export(data, timeout_millis=self.settings.timeout_s * 1000) \
+                is MetricExportResult.SUCCESS
+        except Exception as e:  # a bug in building or sending must not end the export thread
+            ok, error = False, e
+        self._record(ok, data, error)
+        return ok
+
+    def _record(self, ok: bool, data: MetricsData | None, error: Exception | None) -> None:
+        recovered = should_log = False
+        with self._lock:
+            if ok:
+                recovered = bool(self._failing_since_log)
+                self.stats.exports += 1
+                self.stats.last_success = time.time()
+                self._failing_since_log = 0.0
+            else:
+                self.stats.failures += 1
+                self.stats.dropped_points += _count_points(data) if data is not None else 0
+                now = time.monotonic()
+                should_log = not self._failing_since_log or now - self._failing_since_log >= FAILURE_LOG_PERIOD_S
+                if should_log:
+                    self._failing_since_log = now
+        if recovered:
+            log.info("OTLP metrics export to %s works again", self.settings.endpoint)
+        elif not ok and should_log:
+            log.warning("OTLP metrics export to %s failed%s; the figures are dropped and sent whole at the "
+                        "next interval (%d failed so far)", self.settings.endpoint,
+                        f" ({error})" if error else "", self.stats.failures, exc_info=error)
+
+
+def _count_points(data: MetricsData) -> int:
+    return sum(len(m.data.data_points) for rm in data.resource_metrics
+               for sm in rm.scope_metrics for m in sm.metrics)
+
+
+class _ExportStatsCollector(Collector):
+    def __init__(self, exporter: OtlpMetricsExporter) -> None:
+        self._exporter = exporter
+
+    def collect(self) -> Iterable[PromMetric]:
+        st = self._exporter.stats
+        endpoint = self._exporter.settings.endpoint
+        ok = CounterMetricFamily("slatrace_otlp_exports", "OTLP metrics exports the collector accepted.",
+                                 labels=["endpoint"])
+        ok.add_metric([endpoint], st.exports)
+        failed = CounterMetricFamily("slatrace_otlp_export_failures", "OTLP metrics exports dropped after "
+                                     "the exporter gave up (collector down, timeout, rejected).",
+                                     labels=["endpoint"])
+        failed.add_metric([endpoint], st.failures)
+        dropped = CounterMetricFamily("slatrace_otlp_export_dropped_points", "Data points in the dropped "
+                                      "exports; the next export carries their cumulative values.",
+                                      labels=["endpoint"])
+        dropped.add_metric([endpoint], st.dropped_points)
+        return [ok, failed, dropped]
+
