@@ -47,6 +47,8 @@ class RunOptions:
     otlp_grpc_listen: str = "127.0.0.1:4317"
     otlp_http_listen: str = "127.0.0.1:4318"
     otlp_endpoint: str | None = None
+    # --otlp-protocol; None defers to OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL, else grpc.
+    otlp_protocol: str | None = None
 
 
 class BpfStats:
@@ -91,6 +93,7 @@ class Daemon:
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
+        self._otlp_metrics = None  # agent.export.otlp.OtlpMetricsExporter with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
                                         IntervalSched(self.store, config.interval))
@@ -125,6 +128,7 @@ class Daemon:
             features = feat.detect()
         except feat.FeatureError as e:
             raise StartupError(str(e)) from None
+        self._otlp_metrics = self._make_otlp_metrics()
         self._server = HttpServer(host, port, Api(self.state))
         self._server.start()
         log.info("listening on http://%s:%d", host, self._server.port)
@@ -142,7 +146,25 @@ class Daemon:
         cgroups = CgroupPaths(features.cgroup2)
         self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services)
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
+        if self._otlp_metrics is not None:
+            self._otlp_metrics.start()
         self._drain_thread.start()
+
+    def _make_otlp_metrics(self):
+        """The OTLP metrics exporter for --otlp-endpoint, built before anything
+        binds so that a bad OTEL_* setting fails the start with one sentence."""
+        if not self.options.otlp_endpoint:
+            return None
+        from agent.export.otlp import OtlpMetricsExporter  # noqa: PLC0415  (loads grpc)
+
+        try:
+            exporter = OtlpMetricsExporter.from_options(self.registry, self.store, self.options.otlp_endpoint,
+                                                        self.options.otlp_protocol)
+        except ValueError as e:
+            raise StartupError(f"cannot export OTLP metrics: {e}") from None
+        # Its success/failure counters show in /metrics next to what it exports.
+        self.registry.register(exporter.collector())
+        return exporter
 
     def poll_once(self) -> None:
         t0 = time.monotonic()
@@ -190,6 +212,9 @@ class Daemon:
             self._probe = None
             log.info("BPF programs detached")
         self._bpf_stats.restore()
+        if self._otlp_metrics is not None:
+            self._otlp_metrics.stop()
+            self._otlp_metrics = None
         if self._server is not None:
             self._server.stop()
             self._server = None

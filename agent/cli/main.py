@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--retention", type=float, metavar="SECONDS", help="history kept for the API (default 900)")
     run.add_argument("--otlp-endpoint", metavar="URL", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
                      help="export OTLP metrics and enriched spans there (default $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    run.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"], default=None,
+                     help="OTLP export protocol (default $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -77,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if config.retention < config.interval:
         raise CliError(f"--retention {config.retention} must be at least the interval ({config.interval} s)")
     options = RunOptions(listen=args.listen, otlp_grpc_listen=args.otlp_grpc_listen,
-                         otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint)
+                         otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint,
+                         otlp_protocol=args.otlp_protocol)
     return run(config, options)
 
 

@@ -214,7 +214,8 @@ def test_self_metrics_and_hooks() -> None:
     store = Store(retention_s=900, clock=lambda: 100.0)
     store.ingest(ProbeSnapshot(0, 98.0), lambda cg: "api")
     twelve_ms = dict(Histogram.from_ns([12_000_000] * 4).items())
-    store.ingest(ProbeSnapshot(10**9, 99.0, hists={(1, 0): twelve_ms}), lambda cg: "api")
+    store.ingest(ProbeSnapshot(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)},
+                               programs={"sched_wakeup": ProgramStats(5, 500)}), lambda cg: "api")
     sources = Sources(
         slos=(Slo("api", runq_p99=0.005, runq_p95=0.5),),
         throttled_seconds=lambda: {"api": 1.5},
@@ -238,6 +239,7 @@ def test_self_metrics_and_hooks() -> None:
     assert _samples(fams, "slatrace_poll_errors", "_total") == {(): 2}
     assert "slatrace_unknown_thing" not in fams
     assert _samples(fams, "slatrace_services_tracked") == {(): 1}
+    # With every hook given, every family of the catalog is exported.
     assert set(fams) == {s.name for s in CATALOG}
 
 
