@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.registry import CollectorRegistry
 
@@ -27,6 +28,9 @@ from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
 from agent.store.events import EventLog
 from agent.store.store import Store
+
+if TYPE_CHECKING:
+    from agent.export.otlp import OtlpMetricsExporter
 
 log = logging.getLogger("slatrace")
 
@@ -93,7 +97,7 @@ class Daemon:
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
-        self._otlp_metrics = None  # agent.export.otlp.OtlpMetricsExporter with --otlp-endpoint
+        self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
                                         IntervalSched(self.store, config.interval))
@@ -150,12 +154,12 @@ class Daemon:
             self._otlp_metrics.start()
         self._drain_thread.start()
 
-    def _make_otlp_metrics(self):
+    def _make_otlp_metrics(self) -> OtlpMetricsExporter | None:
         """The OTLP metrics exporter for --otlp-endpoint, built before anything
         binds so that a bad OTEL_* setting fails the start with one sentence."""
         if not self.options.otlp_endpoint:
             return None
-        from agent.export.otlp import OtlpMetricsExporter  # noqa: PLC0415  (loads grpc)
+        from agent.export.otlp import OtlpMetricsExporter  # noqa: PLC0415, F811  (loads grpc)
 
         try:
             exporter = OtlpMetricsExporter.from_options(self.registry, self.store, self.options.otlp_endpoint,
