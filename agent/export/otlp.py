@@ -1,12 +1,12 @@
 """OTLP metrics export: the figures of /metrics, pushed to an OpenTelemetry collector.
 
-The data are the Prometheus collectors' own metric families, read from the same
-registry /metrics serves and translated point for point into the SDK's
-MetricsData, which the SDK's OTLP exporter (gRPC or HTTP/protobuf) sends. Nothing
-is re-recorded through SDK instruments: an instrument would re-aggregate
-synthetic samples, while the agent already has exact cumulative bucket counts.
-Reading the registry rather than the store keeps both exports identical by
-construction, including metrics other modules add to the registry later.
+The data are the metric families of the very registry /metrics serves (the
+catalog of agent.export.figures, plus whatever other modules register there),
+translated point for point into the SDK's MetricsData, which the SDK's OTLP
+exporter (gRPC or HTTP/protobuf) sends. Nothing is re-recorded through SDK
+instruments: an instrument would re-aggregate synthetic samples, while the agent
+already has exact cumulative bucket counts. Reading the registry keeps both
+exports identical by construction, whatever is added to it later.
 
 Every point carries the end of the newest interval in the store as its time, so
 a reader can tell which cumulative state it describes. Export runs on its own
@@ -47,6 +47,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from agent import __version__
+from agent.export.figures import CATALOG
 from agent.store.store import IntervalRecord, Store
 
 log = logging.getLogger("slatrace.otlp")
@@ -63,6 +64,9 @@ HTTP_METRICS_PATH = "/v1/metrics"
 SCOPE_NAME = "slatrace"
 # At most one log line per this many seconds while the collector stays down.
 FAILURE_LOG_PERIOD_S = 60.0
+
+# OTLP units of the catalog's metrics; other families get theirs from the name.
+_CATALOG_UNITS = {spec.name: spec.unit for spec in CATALOG}
 
 # The loggers through which the SDK's exporters report each failed attempt.
 _SDK_EXPORTER_LOGGERS = (
@@ -181,6 +185,9 @@ def make_exporter(settings: ExportSettings) -> MetricExporter:
 # Prometheus families -> OTLP metrics.
 
 def _unit(family: PromMetric) -> str:
+    spec = _CATALOG_UNITS.get(family.name)
+    if spec is not None:
+        return spec
     if family.unit:
         return "s" if family.unit == "seconds" else family.unit
     return "s" if family.name.endswith("_seconds") else ""
@@ -234,7 +241,8 @@ def _histogram_points(family: PromMetric, start_ns: int, time_ns: int) -> list[H
 
 def family_to_metric(family: PromMetric, start_ns: int, time_ns: int) -> Metric | None:
     """One Prometheus metric family as one OTLP metric (cumulative), or None
-    for the types OTLP has no direct equivalent for (summary, stateset)."""
+    when it has no points or is of a type OTLP has no direct equivalent for
+    (stateset, gaugehistogram)."""
     kind = family.type
     if kind == "counter":
         points = [NumberDataPoint(dict(s.labels), start_ns, time_ns, _number(s.value))
@@ -251,8 +259,18 @@ def family_to_metric(family: PromMetric, start_ns: int, time_ns: int) -> Metric 
     elif kind == "histogram":
         data = Histogram(_histogram_points(family, start_ns, time_ns), AggregationTemporality.CUMULATIVE)
         name = family.name
+    elif kind == "summary":
+        # The SDK has no summary type to encode, and the interface names these
+        # a gauge with a `quantile` attribute. The _sum/_count samples repeat
+        # the matching histogram's and are left out.
+        points = [NumberDataPoint(dict(s.labels), 0, time_ns, _number(s.value))
+                  for s in family.samples if s.name == family.name and "quantile" in s.labels]
+        data = Gauge(points)
+        name = family.name
     else:
         return None
+    if not data.data_points:
+        return None  # a metric without points encodes to one with no data at all
     return Metric(name=name, description=family.documentation, unit=_unit(family), data=data)
 
 

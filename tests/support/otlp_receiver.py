@@ -304,6 +304,8 @@ def metric_points(request: ExportMetricsServiceRequest) -> Iterator[MetricPoint]
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 kind = m.WhichOneof("data")
+                if kind is None:
+                    continue  # a metric with no data: nothing to flatten
                 data = getattr(m, kind)
                 temporality = getattr(data, "aggregation_temporality", None)
                 monotonic = getattr(data, "is_monotonic", None)
