@@ -177,11 +177,13 @@ TRACEPOINT_PROBE(sched, sched_switch)
         return 0;
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
+    /* Still runnable at switch-out = an involuntary switch, as the kernel's
+     * nivcsw counts it. PREEMPT_BIT ("R+") marks only preemption inside the
+     * kernel; a task preempted on its way back to user space (the common case
+     * for CPU-bound user code) or yielding is switched out as plain "R". */
     u32 st;
-    if (prev_state & PREEMPT_BIT)
+    if ((prev_state & (PREEMPT_BIT - 1)) == 0)
         st = TS_PREEMPTED;
-    else if ((prev_state & (PREEMPT_BIT - 1)) == 0)
-        st = TS_RUNNABLE; /* yield: runnable, but not preempted */
     else if (prev_state & STATE_DEAD)
         return 0;         /* exiting: sched_process_exit dropped the entry */
     else if (prev_state & STATE_D)

@@ -21,8 +21,8 @@
 /* task_info.state */
 #define TS_UNKNOWN 0
 #define TS_RUNNING 1
-#define TS_RUNNABLE 2   /* woken, new, or switched out while runnable (yield) */
-#define TS_PREEMPTED 3  /* switched out involuntarily; preemptor_cgid is set */
+#define TS_RUNNABLE 2   /* woken or new */
+#define TS_PREEMPTED 3  /* switched out while runnable; preemptor_cgid is set */
 #define TS_SLEEPING 4
 #define TS_BLOCKED 5    /* uninterruptible sleep (D state) */
 
