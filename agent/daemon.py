@@ -103,6 +103,7 @@ class Daemon:
                                         IntervalSched(self.store, config.interval))
         self._watched: set[int] = set()
         self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
+        self._traces = None  # agent.traces.runtime.Traces once the probe is attached
 
     def _service_of(self, cgid: int) -> str:
         return self._resolver.service_of(cgid) if self._resolver else "unknown"
@@ -153,6 +154,24 @@ class Daemon:
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()
         self._drain_thread.start()
+        self._start_traces(cgroups)
+
+    def _start_traces(self, cgroups: CgroupPaths) -> None:
+        from agent.traces.runtime import Traces  # noqa: PLC0415
+
+        rule_names = {r.name for r in self.config.services}
+        try:
+            self._traces = Traces(self.config, self.request_sched, cgroups, self._resolver.service_of,
+                                  lambda: rule_names | set(self.store.totals()),
+                                  grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
+                                  otlp_endpoint=self.options.otlp_endpoint,
+                                  otlp_protocol=getattr(self.options, "otlp_protocol", None))
+            self._traces.register(self.registry)
+            self.state.extra_routes.update(self._traces.routes())
+            self._traces.start()
+        except (OSError, ValueError) as e:
+            raise StartupError(f"cannot start the OTLP trace receivers: {e}; choose other addresses with "
+                               "--otlp-grpc-listen / --otlp-http-listen, or 'off'") from None
 
     def _make_otlp_metrics(self) -> OtlpMetricsExporter | None:
         """The OTLP metrics exporter for --otlp-endpoint, built before anything
@@ -209,6 +228,9 @@ class Daemon:
 
     def close(self) -> None:
         self.stop_event.set()
+        if self._traces is not None:
+            self._traces.close()
+            self._traces = None
         if self._drain_thread.is_alive():
             self._drain_thread.join(timeout=2.0)
         if self._probe is not None:

@@ -9,6 +9,7 @@ import os
 import sys
 
 from agent import __version__
+from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
 
 DEFAULT_AGENT = "http://127.0.0.1:9477"
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("service", nargs="?", help="one service (default: all)")
     attr.add_argument("--since", type=float, default=60.0, metavar="SECONDS", help="window (default %(default)s)")
     _client_flags(attr)
+    add_request_commands(sub, _client_flags)
     return p
 
 
@@ -129,7 +131,8 @@ def cmd_attribution(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attribution": cmd_attribution}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attribution": cmd_attribution,
+            **REQUEST_COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,135 @@
+"""Per-request truth: a request span plus the scheduler's figures over its
+lifetime -> the SPEC's REQUEST document, its request SLOs and a verdict.
+
+Pure: the span, the figures and the SLOs come in, a dict goes out, so every
+sentence the CLI prints can be tested without a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from agent.attribution.request_sched import RequestSched
+from agent.config import Slo
+from agent.traces.spans import RequestSpan
+
+__all__ = [
+    "Cause",
+    "REQUEST_SLOS",
+    "causes",
+    "fmt_duration",
+    "judge",
+    "request_document",
+    "verdict",
+]
+
+# (SLO field in config, request figure it judges)
+REQUEST_SLOS = (("request_e2e_p99", "e2e"), ("request_ttft_p99", "ttft"))
+
+# A cause below both of these is noise on a busy machine, not a reason for a miss.
+SIGNIFICANT_SECONDS = 0.010
+SIGNIFICANT_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str          # "preemption", "runq" (waiting without a preemption) or "iowait"
+    seconds: float
+    culprit: str | None = None
+
+
+def causes(sched: RequestSched) -> list[Cause]:
+    """What the request's service lost, split into causes, largest first."""
+    out = [Cause("preemption", wait, culprit) for culprit, wait in sched.preempted_by if wait > 0]
+    preempted = sum(wait for _, wait in sched.preempted_by)
+    # Wait that followed no preemption: queued behind others after a wakeup.
+    rest = sched.runq_wait_seconds - preempted
+    if rest > 0:
+        out.append(Cause("runq", rest))
+    if sched.iowait_seconds > 0:
+        out.append(Cause("iowait", sched.iowait_seconds))
+    out.sort(key=lambda c: c.seconds, reverse=True)
+    return out
+
+
+def fmt_duration(seconds: float) -> str:
+    """'0.38 s' from a tenth of a second up, '2 ms' / '0.4 ms' below it."""
+    if seconds >= 0.1:
+        return f"{seconds:.2f} s"
+    ms = seconds * 1e3
+    if ms >= 10:
+        return f"{ms:.0f} ms"
+    if ms >= 1:
+        return f"{ms:.1f} ms".replace(".0 ms", " ms")
+    return f"{ms:.2f} ms"
+
+
+def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) -> str:
+    """One sentence naming the largest scheduling cause of the request's latency."""
+    if service is None:
+        return ("no scheduling figures: the span's resource names no process, container or service "
+                "this agent knows (set process.pid or service.name)")
+    if sched is None:
+        return f"no scheduling figures for {service} over this request yet"
+    ranked = causes(sched)
+    if not ranked or (ranked[0].seconds < SIGNIFICANT_SECONDS
+                      and ranked[0].seconds < SIGNIFICANT_SHARE * max(span.e2e, 1e-9)):
+        return f"no significant scheduling delay (runq wait {fmt_duration(sched.runq_wait_seconds)})"
+    top = ranked[0]
+    share = f"{top.seconds / span.e2e:.0%} of {fmt_duration(span.e2e)} end to end" if span.e2e > 0 else \
+        "of a request of no measurable duration"
+    if top.kind == "preemption":
+        what = f"CPU contention from {top.culprit}"
+    elif top.kind == "runq":
+        what = f"run-queue wait without preemption (CPUs saturated within {service})"
+    else:
+        what = "I/O wait (D state)"
+    return f"{what} added {fmt_duration(top.seconds)} ({share})"
+
+
+def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:
+    """The request SLOs of the service: breached when the figure exceeds the target.
+
+    A request without the judged figure (no ttft attribute) is not judged on it."""
+    out: list[dict] = []
+    for slo in slos:
+        if slo.service != service:
+            continue
+        for name, figure in REQUEST_SLOS:
+            target = getattr(slo, name)
+            value = getattr(span, figure)
+            if target is None or value is None:
+                continue
+            out.append({"name": name, "target": target, "value": value, "ok": value <= target})
+    return out
+
+
+def request_document(span: RequestSpan, service: str | None, how: str, sched: RequestSched | None,
+                     slo: list[dict], complete: bool) -> dict:
+    """The SPEC's REQUEST JSON (plus a few added fields)."""
+    return {
+        "request_id": span.request_id,
+        "trace_id": span.trace_id,
+        "span_id": span.span_id,
+        "parent_span_id": span.parent_span_id,
+        "service": service if service is not None else "unknown",
+        "service_from": how,
+        "start": span.start,
+        "end": span.end,
+        "e2e": span.e2e,
+        "ttft": span.ttft,
+        "queue": span.queue,
+        "phases": span.phases(),
+        "tokens": {"prompt": span.prompt_tokens, "completion": span.completion_tokens,
+                   "max": span.max_tokens},
+        "model": span.model,
+        "finish_reasons": list(span.finish_reasons),
+        "sched": sched.as_dict() if sched is not None else None,
+        "sched_resolution_seconds": sched.resolution_seconds if sched is not None else None,
+        # False when the figures were taken before the kernel side covered the
+        # whole request (the source fell behind); they may then be low.
+        "sched_complete": complete and sched is not None,
+        "slo": slo,
+        "verdict": verdict(span, sched, service),
+    }

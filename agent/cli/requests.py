@@ -1,0 +1,166 @@
+"""`slatrace requests` and `slatrace explain`: per-request answers from the agent.
+
+Thin clients of /api/v1/requests; `--json` prints the API's document as is.
+`explain` adds a small timeline: the request's phases as vLLM reported them,
+and what the scheduler took from its service while it ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from urllib.parse import quote
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["add_request_commands", "REQUEST_COMMANDS", "timeline"]
+
+BAR_WIDTH = 50
+
+
+def add_request_commands(sub: argparse._SubParsersAction,
+                         client_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    reqs = sub.add_parser("requests", help="recent requests of services that send spans, with their verdicts")
+    reqs.add_argument("--service", metavar="S", help="one service (default: all)")
+    reqs.add_argument("--since", type=float, metavar="SECONDS", help="window (default: the agent's retention)")
+    reqs.add_argument("--breached", action="store_true", help="only requests that broke a request SLO")
+    client_flags(reqs)
+
+    explain = sub.add_parser("explain", help="why one request was slow: figures and a timeline")
+    explain.add_argument("request_id", metavar="REQUEST_ID")
+    client_flags(explain)
+
+
+def cmd_requests(args: argparse.Namespace) -> int:
+    from agent.cli.client import get  # noqa: PLC0415
+    from agent.cli.main import CliError  # noqa: PLC0415
+
+    params: dict = {}
+    if args.since is not None:
+        if not args.since > 0:
+            raise CliError(f"--since {args.since} must be a positive number of seconds")
+        params["since"] = args.since
+    if args.service:
+        params["service"] = args.service
+    if args.breached:
+        params["breached"] = "true"
+    doc = get(args.agent, "/api/v1/requests", params)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_requests(doc)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from agent.cli.client import get  # noqa: PLC0415
+
+    doc = get(args.agent, "/api/v1/requests/" + quote(args.request_id, safe=""))
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_explain(doc)
+    return 0
+
+
+REQUEST_COMMANDS = {"requests": cmd_requests, "explain": cmd_explain}
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False)
+
+
+def _fmt(value: float | None) -> str:
+    from agent.cli.render import fmt_seconds  # noqa: PLC0415
+
+    return fmt_seconds(value)
+
+
+def _slo_text(slo: list[dict]) -> str:
+    if not slo:
+        return "-"
+    broken = [s["name"] for s in slo if not s["ok"]]
+    return "BREACH " + ",".join(broken) if broken else "ok"
+
+
+def print_requests(doc: dict) -> None:
+    table = Table()
+    for col in ("request", "service", "e2e", "ttft", "runq wait", "preempt", "top culprit", "SLO", "verdict"):
+        table.add_column(col, justify="right" if col in ("e2e", "ttft", "runq wait", "preempt") else "left",
+                         overflow="fold")
+    for r in doc.get("requests", []):
+        sched = r.get("sched") or {}
+        by = sched.get("preempted_by") or []
+        table.add_row(
+            r["request_id"], r["service"], _fmt(r.get("e2e")), _fmt(r.get("ttft")),
+            _fmt(sched.get("runq_wait_seconds")), str(sched.get("preemptions", "-")),
+            f"{by[0]['service']} ({_fmt(by[0]['wait_seconds'])})" if by else "-",
+            _slo_text(r.get("slo") or []), r.get("verdict", ""),
+        )
+    _console().print(table)
+
+
+def _bar(offset: float, length: float, total: float, style: str, width: int = BAR_WIDTH) -> Text:
+    """A row of the timeline: `length` seconds starting `offset` seconds in."""
+    scale = width / total if total > 0 else 0.0
+    start = min(width, int(round(offset * scale)))
+    n = min(width - start, max(1 if length > 0 else 0, int(round(length * scale))))
+    text = Text("·" * start)
+    text.append("█" * n, style=style)
+    text.append("·" * (width - start - n))
+    return text
+
+
+def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
+    """(label, bar, duration) rows: the request's phases, then what the
+    scheduler took (drawn from the start: the kernel says how much, not when)."""
+    e2e = doc.get("e2e") or 0.0
+    rows = [("end to end", _bar(0, e2e, e2e, "bold", width), _fmt(e2e))]
+    phases = doc.get("phases") or {}
+    offset = 0.0
+    for name in ("queue", "prefill", "decode"):
+        value = phases.get(name)
+        if value is None:
+            continue
+        rows.append((name, _bar(offset, value, e2e, "cyan", width), _fmt(value)))
+        offset += value
+    ttft = doc.get("ttft")
+    if ttft is not None:
+        rows.append(("first token", _bar(0, ttft, e2e, "green", width), _fmt(ttft)))
+    sched = doc.get("sched") or {}
+    for by in sched.get("preempted_by") or []:
+        rows.append((f"preempted by {by['service']}", _bar(0, by["wait_seconds"], e2e, "red", width),
+                     _fmt(by["wait_seconds"])))
+    if sched:
+        rows.append(("run-queue wait", _bar(0, sched["runq_wait_seconds"], e2e, "yellow", width),
+                     _fmt(sched["runq_wait_seconds"])))
+        if sched.get("iowait_seconds"):
+            rows.append(("I/O wait", _bar(0, sched["iowait_seconds"], e2e, "magenta", width),
+                         _fmt(sched["iowait_seconds"])))
+    return rows
+
+
+def print_explain(doc: dict) -> None:
+    console = _console()
+    console.print(Text(f"request {doc['request_id']}  service {doc['service']}  trace {doc.get('trace_id', '')}",
+                       style="bold"))
+    console.print(Text(doc.get("verdict", ""), style="bold yellow"))
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column("what")
+    table.add_column("timeline", no_wrap=True)
+    table.add_column("seconds", justify="right")
+    for label, bar, duration in timeline(doc):
+        table.add_row(label, bar, duration)
+    console.print(table)
+    sched = doc.get("sched")
+    if sched:
+        console.print(f"preemptions {sched['preemptions']}   migrations {sched['migrations']}   "
+                      f"iowait {_fmt(sched['iowait_seconds'])}   "
+                      f"resolution {_fmt(doc.get('sched_resolution_seconds'))}"
+                      + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))
+    for s in doc.get("slo") or []:
+        state = "[green]ok[/]" if s["ok"] else "[red]BREACH[/]"
+        console.print(f"SLO {s['name']}: {_fmt(s.get('value'))} vs target {_fmt(s['target'])} {state}")

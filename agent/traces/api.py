@@ -1,0 +1,46 @@
+"""`/api/v1/requests` and `/api/v1/requests/{id}` over the request store.
+
+Registered through AgentState.extra_routes; each handler is a pure function of
+the query, like the rest of the API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import unquote
+
+from agent.api.routes import QueryError, Response, error, float_param, json_response, str_param
+from agent.traces.request_store import RequestStore
+
+__all__ = ["REQUESTS_PATH", "request_routes"]
+
+REQUESTS_PATH = "/api/v1/requests"
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no", "")
+
+Query = dict[str, list[str]]
+
+
+def request_routes(store: RequestStore) -> dict[str, Callable[[Query], Response]]:
+    def listing(query: Query) -> Response:
+        try:
+            since = float_param(query, "since", store.retention_s)
+            breached_raw = (str_param(query, "breached") or "").lower()
+            if breached_raw not in _TRUE + _FALSE:
+                raise QueryError(f"breached={breached_raw!r} must be true or false")
+        except QueryError as e:
+            return error(400, str(e))
+        docs = store.query(service=str_param(query, "service"), since_s=since, breached=breached_raw in _TRUE)
+        return json_response(200, {"requests": docs})
+
+    def one(query: Query) -> Response:
+        request_id = unquote(query.get("_tail", [""])[0]).strip("/")
+        if not request_id:
+            return listing(query)
+        doc = store.get(request_id)
+        if doc is None:
+            return error(404, f"no request {request_id!r} in the last {store.retention_s:.0f} s; "
+                              f"list them with {REQUESTS_PATH}")
+        return json_response(200, doc)
+
+    return {REQUESTS_PATH: listing, REQUESTS_PATH + "/": one}

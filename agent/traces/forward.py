@@ -1,0 +1,176 @@
+"""Forwarding received spans to the collector at --otlp-endpoint.
+
+Receivers and the request worker hand spans over with a non-blocking put into
+a bounded queue; one thread drains it in batches and sends them with the
+OpenTelemetry SDK's own OTLP span exporter (gRPC, or HTTP/protobuf as the SDKs
+choose from OTEL_EXPORTER_OTLP_PROTOCOL). Protobuf spans become SDK
+ReadableSpans with their trace id, span id, parent, kind, status, events and
+links kept, so the collector sees the original span plus, for requests, the
+`slatrace.*` attributes. A batch that fails is retried with backoff a few
+times, then counted as dropped; a full queue drops and counts at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from agent.traces.metrics import TraceCounters
+from agent.traces.pipeline import SpanSink
+from agent.traces.spans import attributes
+
+__all__ = ["Forwarder", "make_exporter", "to_readable_span"]
+
+log = logging.getLogger(__name__)
+
+_KINDS = {1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
+_STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+
+
+def make_exporter(endpoint: str, protocol: str | None = None, timeout_s: float = 5.0) -> SpanExporter:
+    """The SDK's OTLP span exporter for `endpoint`, gRPC unless the protocol
+    (argument, then OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL)
+    says http/protobuf."""
+    protocol = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter  # noqa: PLC0415
+
+        # As the SDK does for OTEL_EXPORTER_OTLP_ENDPOINT: the base URL gets the signal path.
+        url = endpoint if urlparse(endpoint).path.rstrip("/").endswith("/v1/traces") else \
+            endpoint.rstrip("/") + "/v1/traces"
+        return HttpExporter(endpoint=url, timeout=timeout_s)
+    if protocol != "grpc":
+        raise ValueError(f"OTLP protocol {protocol!r} is not supported; use grpc or http/protobuf")
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter  # noqa: PLC0415
+
+    parsed = urlparse(endpoint if "://" in endpoint else "http://" + endpoint)
+    return GrpcExporter(endpoint=parsed.netloc, insecure=parsed.scheme != "https", timeout=timeout_s)
+
+
+def _context(trace_id: bytes, span_id: bytes, flags: int = 0, state: str = "") -> SpanContext:
+    return SpanContext(
+        trace_id=int.from_bytes(trace_id, "big") if trace_id else 0,
+        span_id=int.from_bytes(span_id, "big") if span_id else 0,
+        is_remote=False,
+        trace_flags=TraceFlags(flags & 0xFF),
+        trace_state=TraceState.from_header([state]) if state else TraceState(),
+    )
+
+
+def to_readable_span(rs: ResourceSpans, ss: ScopeSpans, span: Span, extra: dict | None = None,
+                     resource: Resource | None = None) -> ReadableSpan:
+    attrs = attributes(span.attributes)
+    if extra:
+        attrs.update(extra)
+    return ReadableSpan(
+        name=span.name,
+        context=_context(span.trace_id, span.span_id, span.flags, span.trace_state),
+        parent=_context(span.trace_id, span.parent_span_id) if span.parent_span_id else None,
+        resource=resource or Resource(attributes(rs.resource.attributes), rs.schema_url),
+        attributes=attrs,
+        events=[Event(e.name, attributes(e.attributes), e.time_unix_nano) for e in span.events],
+        links=[Link(_context(link.trace_id, link.span_id, link.flags, link.trace_state), attributes(link.attributes))
+               for link in span.links],
+        kind=_KINDS.get(span.kind, SpanKind.INTERNAL),
+        status=Status(_STATUS.get(span.status.code, StatusCode.UNSET), span.status.message or None),
+        start_time=span.start_time_unix_nano,
+        end_time=span.end_time_unix_nano,
+        instrumentation_scope=InstrumentationScope(ss.scope.name, ss.scope.version or None, ss.schema_url or None,
+                                                   attributes(ss.scope.attributes) or None),
+    )
+
+
+class Forwarder(SpanSink):
+    def __init__(self, exporter: SpanExporter, counters: TraceCounters, *, max_queue: int = 20_000,
+                 max_batch: int = 512, flush_s: float = 0.2, retries: int = 3, backoff_s: float = 0.5,
+                 sleep: Callable[[float], Any] | None = None) -> None:
+        self._exporter = exporter
+        self._counters = counters
+        self._queue: queue.Queue = queue.Queue(max_queue)
+        self.max_batch = max_batch
+        self.flush_s = flush_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._stop = threading.Event()
+        self._sleep = sleep or self._stop.wait  # backoff ends early on shutdown
+        self._thread: threading.Thread | None = None
+
+    def forward(self, resource_spans: ResourceSpans, scope_spans: ScopeSpans, span: Span,
+                extra: dict | None = None) -> None:
+        try:
+            self._queue.put_nowait((resource_spans, scope_spans, span, extra))
+        except queue.Full:
+            self._counters.add_forward_dropped("queue_full", 1)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="otlp-forward", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not (self._stop.is_set() and self._queue.empty()):
+            batch = self._take()
+            if batch:
+                self.send(batch)
+
+    def _take(self) -> list[tuple]:
+        try:
+            batch = [self._queue.get(timeout=self.flush_s)]
+        except queue.Empty:
+            return []
+        while len(batch) < self.max_batch:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def send(self, batch: Sequence[tuple]) -> bool:
+        """Export one batch, retrying with exponential backoff; True when sent."""
+        resources: dict[int, Resource] = {}
+        spans = []
+        for rs, ss, span, extra in batch:
+            res = resources.get(id(rs))
+            if res is None:
+                res = resources[id(rs)] = Resource(attributes(rs.resource.attributes), rs.schema_url)
+            spans.append(to_readable_span(rs, ss, span, extra, res))
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                result = self._exporter.export(spans)
+            except Exception:  # an exporter bug or a transport error it did not catch
+                log.exception("forwarding spans failed")
+                result = SpanExportResult.FAILURE
+            if result == SpanExportResult.SUCCESS:
+                self._counters.add_forwarded(len(spans))
+                return True
+            if attempt < self.retries and not self._stop.is_set():
+                self._sleep(delay)
+                delay *= 2
+        log.warning("dropping %d spans: the collector did not take them after %d attempts",
+                    len(spans), self.retries + 1)
+        self._counters.add_forward_dropped("export_failed", len(spans))
+        return False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        try:
+            self._exporter.shutdown()
+        except Exception:
+            log.exception("shutting the span exporter down failed")

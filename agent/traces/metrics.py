@@ -1,0 +1,135 @@
+"""Counters of the trace side, and the Collector that exposes them.
+
+The pipeline and receivers bump plain counters under one lock; the collector
+turns them into metric families at scrape time, as the store's collector does.
+Request SLO breaches are counted here (`slatrace_slo_breaches_total` with the
+request SLO names); interval SLO breaches belong to the store's collector.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.store.histogram import classic_bounds
+
+__all__ = ["TraceCounters", "TraceCollector"]
+
+
+class TraceCounters:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bounds = classic_bounds()
+        self.received: dict[str, int] = {}          # transport -> spans accepted
+        self.rejected: dict[tuple[str, str], int] = {}  # (transport, reason) -> export requests refused
+        self.requests: dict[str, int] = {}          # service -> request spans attributed
+        self.breaches: dict[tuple[str, str], int] = {}  # (service, slo) -> requests that broke it
+        self.pending_dropped = 0                    # attributed early because the pending queue was full
+        self.forwarded = 0
+        self.forward_dropped: dict[str, int] = {}   # reason -> spans not forwarded
+        self._delay: dict[str, tuple[list[int], list[float]]] = {}  # service -> (bucket counts, [sum])
+        self.pending = 0
+
+    def add_received(self, transport: str, spans: int) -> None:
+        with self._lock:
+            self.received[transport] = self.received.get(transport, 0) + spans
+
+    def add_rejected(self, transport: str, reason: str) -> None:
+        with self._lock:
+            key = (transport, reason)
+            self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def add_request(self, service: str, runq_wait_s: float | None, breached: list[str]) -> None:
+        with self._lock:
+            self.requests[service] = self.requests.get(service, 0) + 1
+            for slo in breached:
+                key = (service, slo)
+                self.breaches[key] = self.breaches.get(key, 0) + 1
+            if runq_wait_s is not None:
+                counts, total = self._delay.setdefault(service, ([0] * (len(self._bounds) + 1), [0.0]))
+                counts[bisect.bisect_left(self._bounds, runq_wait_s)] += 1
+                total[0] += runq_wait_s
+
+    def add_forwarded(self, n: int) -> None:
+        with self._lock:
+            self.forwarded += n
+
+    def add_forward_dropped(self, reason: str, n: int) -> None:
+        with self._lock:
+            self.forward_dropped[reason] = self.forward_dropped.get(reason, 0) + n
+
+    def breach_counts(self) -> dict[tuple[str, str], int]:
+        """(service, slo) -> requests that broke it, for other exporters."""
+        with self._lock:
+            return dict(self.breaches)
+
+    def delay_histograms(self) -> dict[str, tuple[list[tuple[float, int]], int, float]]:
+        """service -> (cumulative (bound, count) pairs, count, sum)."""
+        with self._lock:
+            snap = {s: (list(c), t[0]) for s, (c, t) in self._delay.items()}
+        out = {}
+        for service, (counts, total) in snap.items():
+            cumulative, running = [], 0
+            for bound, n in zip(self._bounds, counts):
+                running += n
+                cumulative.append((bound, running))
+            out[service] = (cumulative, running + counts[-1], total)
+        return out
+
+
+class TraceCollector(Collector):
+    def __init__(self, counters: TraceCounters) -> None:
+        self._c = counters
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._c
+        with c._lock:
+            received = dict(c.received)
+            rejected = dict(c.rejected)
+            requests = dict(c.requests)
+            forward_dropped = dict(c.forward_dropped)
+            forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
+
+        breaches = CounterMetricFamily("slatrace_slo_breaches", "Intervals (or requests) that broke an SLO.",
+                                       labels=["service", "slo"])
+        for (service, slo), n in sorted(c.breach_counts().items()):
+            breaches.add_metric([service, slo], n)
+        yield breaches
+
+        delay = HistogramMetricFamily("slatrace_request_sched_delay_seconds", "Per request span: run-queue "
+                                      "wait of the service's tasks during the request.", labels=["service"])
+        for service, (cumulative, count, total) in sorted(c.delay_histograms().items()):
+            buckets = [(repr(float(b)), n) for b, n in cumulative] + [("+Inf", count)]
+            delay.add_metric([service], buckets, total)
+        yield delay
+
+        spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
+                                    "receivers.", labels=["transport"])
+        for transport, n in sorted(received.items()):
+            spans.add_metric([transport], n)
+        yield spans
+        refused = CounterMetricFamily("slatrace_otlp_rejected_requests", "OTLP export requests refused, by "
+                                      "reason (malformed, too_large, unsupported, ...).", labels=["transport", "reason"])
+        for (transport, reason), n in sorted(rejected.items()):
+            refused.add_metric([transport, reason], n)
+        yield refused
+        reqs = CounterMetricFamily("slatrace_requests_attributed", "Request spans given scheduling figures.",
+                                   labels=["service"])
+        for service, n in sorted(requests.items()):
+            reqs.add_metric([service], n)
+        yield reqs
+        yield GaugeMetricFamily("slatrace_requests_pending", "Request spans waiting for the kernel side to "
+                                "cover their end.", value=pending)
+        yield CounterMetricFamily("slatrace_requests_pending_overflow", "Request spans attributed before "
+                                  "their end was covered because too many were pending.", value=pending_dropped)
+        yield CounterMetricFamily("slatrace_otlp_forwarded_spans", "Spans forwarded to --otlp-endpoint.",
+                                  value=forwarded)
+        dropped = CounterMetricFamily("slatrace_otlp_forward_dropped_spans", "Spans not forwarded, by reason "
+                                      "(queue_full, export_failed).", labels=["reason"])
+        for reason, n in sorted(forward_dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped

@@ -1,0 +1,103 @@
+"""The trace side of the daemon, assembled: receivers -> pipeline -> store,
+API routes, metrics and (with --otlp-endpoint) the forwarder.
+
+The daemon builds one `Traces` after the probe is attached (the pipeline needs
+the cgroup map and the scheduler source) and closes it on shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from prometheus_client.registry import CollectorRegistry
+
+from agent.attribution.request_sched import RequestSchedSource
+from agent.config import Config
+from agent.identity.cgroups import CgroupPaths
+from agent.traces.api import request_routes
+from agent.traces.identity import SpanServices
+from agent.traces.metrics import TraceCollector, TraceCounters
+from agent.traces.otlp_decode import Limits
+from agent.traces.pipeline import RequestPipeline
+from agent.traces.request_store import RequestStore
+
+__all__ = ["Traces", "parse_listen_or_off"]
+
+log = logging.getLogger(__name__)
+
+
+def parse_listen_or_off(value: str | None, flag: str) -> tuple[str, int] | None:
+    from agent.api.server import parse_listen  # noqa: PLC0415
+
+    if value is None or value.strip().lower() == "off":
+        return None
+    return parse_listen(value, flag)
+
+
+class Traces:
+    def __init__(
+        self,
+        config: Config,
+        sched: RequestSchedSource,
+        cgroups: CgroupPaths,
+        service_of: Callable[[int], str],
+        known_services: Callable[[], Iterable[str]],
+        *,
+        grpc_listen: str | None,
+        http_listen: str | None,
+        otlp_endpoint: str | None = None,
+        otlp_protocol: str | None = None,
+        limits: Limits = Limits(),
+    ) -> None:
+        self.counters = TraceCounters()
+        self.store = RequestStore(config.retention)
+        self.forwarder = None
+        if otlp_endpoint:
+            from agent.traces.forward import Forwarder, make_exporter  # noqa: PLC0415
+
+            self.forwarder = Forwarder(make_exporter(otlp_endpoint, otlp_protocol), self.counters)
+        self.pipeline = RequestPipeline(
+            sched, SpanServices(cgroups, service_of, known_services), config.slos, self.store, self.counters,
+            self.forwarder, max_wait_s=max(10.0, 5 * config.interval))
+        self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
+        self._http_addr = parse_listen_or_off(http_listen, "--otlp-http-listen")
+        self._limits = limits
+        self.grpc = None
+        self.http = None
+
+    def routes(self) -> dict:
+        return request_routes(self.store)
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(TraceCollector(self.counters))
+
+    def start(self) -> None:
+        """Bind and serve; OSError when an address cannot be bound."""
+        from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415
+        from agent.traces.receiver_http import HttpReceiver  # noqa: PLC0415
+
+        if self.forwarder is not None:
+            self.forwarder.start()
+        self.pipeline.start()
+        if self._grpc_addr is not None:
+            self.grpc = GrpcReceiver(*self._grpc_addr, self.pipeline, self.counters, self._limits)
+            self.grpc.start()
+            log.info("OTLP/gRPC trace receiver on %s:%d", self._grpc_addr[0], self.grpc.port)
+        if self._http_addr is not None:
+            try:
+                self.http = HttpReceiver(*self._http_addr, self.pipeline, self.counters, self._limits)
+            except OSError as e:
+                raise OSError(f"cannot listen on {self._http_addr[0]}:{self._http_addr[1]} ({e.strerror})") from None
+            self.http.start()
+            log.info("OTLP/HTTP trace receiver on http://%s:%d/v1/traces", self._http_addr[0], self.http.port)
+
+    def close(self) -> None:
+        for part in (self.grpc, self.http):
+            if part is not None:
+                part.stop()
+        self.grpc = self.http = None
+        self.pipeline.stop()
+        self.pipeline.process()  # what is covered by now still gets its figures
+        if self.forwarder is not None:
+            self.forwarder.stop()

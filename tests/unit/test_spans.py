@@ -1,0 +1,292 @@
+"""vLLM span parsing, OTLP decoding, span -> service, verdicts and request SLOs.
+
+The fixtures under fixtures/otlp are OTLP/JSON export requests as the
+OpenTelemetry SDK's OTLP encoder produced them for an `llm_request` SERVER span
+carrying the attribute sets of vLLM's V1 output processor and V0 engine
+(vllm/tracing.py SpanAttributes), with a caller's traceparent as parent.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.attribution.request_sched import RequestSched
+from agent.attribution.requests import causes, fmt_duration, judge, request_document, verdict
+from agent.config import Slo
+from agent.traces.identity import SpanServices, cgroup_v2_path
+from agent.traces.otlp_decode import DecodeError, Limits, decode_body, decode_json, decode_protobuf, gunzip
+from agent.traces.request_store import RequestStore
+from agent.traces.spans import RequestSpan, attributes, iter_spans, request_span
+
+FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
+
+
+def load(name: str) -> bytes:
+    return (FIXTURES / name).read_bytes()
+
+
+def only_span(body: bytes) -> tuple[dict, RequestSpan]:
+    req = decode_json(body)
+    [(rs, _, span)] = list(iter_spans(req))
+    return attributes(rs.resource.attributes), request_span(span)
+
+
+# --- span model -------------------------------------------------------------
+
+def test_v1_fixture_parses_every_figure():
+    resource, s = only_span(load("vllm_llm_request_v1.json"))
+    assert s.request_id == "cmpl-8c5d1c2e4b7a4f0e9d3b6a1f2e7c9d40"
+    assert s.trace_id == "5b8efff798038103d269b633813fc60c"
+    assert s.span_id == "1249ea9bf35be388"
+    assert s.parent_span_id == "eee19b7ec3c1b174"
+    assert s.start == pytest.approx(1764680000.104551)
+    assert s.end == pytest.approx(1764680001.907502289)
+    assert s.e2e == pytest.approx(1.802741289138794)
+    assert s.ttft == pytest.approx(0.4123671054840088)
+    assert s.queue == pytest.approx(0.051203012466430664)
+    assert s.prefill == pytest.approx(0.35744190216064453)
+    assert s.decode == pytest.approx(1.3874588012695312)
+    assert s.inference == pytest.approx(1.7449007034301758)
+    assert (s.prompt_tokens, s.completion_tokens, s.max_tokens, s.n) == (812, 256, 256, 1)
+    # The span's own duration and vLLM's e2e agree to within the time it took to end it.
+    assert s.end - s.start == pytest.approx(s.e2e, abs=1e-3)
+    assert resource["process.pid"] == 48213 and resource["service.name"] == "vllm"
+
+
+def test_v0_fixture_parses_its_own_attribute_set():
+    _, s = only_span(load("vllm_llm_request_v0.json"))
+    assert s.request_id == "42"
+    assert s.model == "facebook/opt-125m"
+    assert s.scheduler == pytest.approx(0.016315937042236328)
+    assert s.model_forward == pytest.approx(0.8841199951171875)
+    assert s.model_execute == pytest.approx(1.0105345249176025)
+    assert s.prefill is None and s.decode is None  # V0 has no phase split
+    assert s.ttft == pytest.approx(0.0520627498626709)
+    assert set(s.phases()) == {"queue", "scheduler", "model_forward", "model_execute"}
+
+
+def test_missing_attributes_fall_back_instead_of_failing():
+    doc = json.loads(load("vllm_llm_request_v1.json"))
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["attributes"] = [{"key": "gen_ai.latency.time_to_first_token", "value": {"stringValue": "0.25"}},
+                          {"key": "gen_ai.usage.prompt_tokens", "value": {"boolValue": True}}]
+    del span["parentSpanId"]
+    _, s = only_span(json.dumps(doc).encode())
+    assert s.request_id == s.span_id == "1249ea9bf35be388"
+    assert s.e2e == pytest.approx(s.end - s.start)
+    assert s.ttft == 0.25            # a number sent as a string still counts
+    assert s.prompt_tokens is None   # a bool is no count
+    assert s.parent_span_id is None and s.queue is None
+
+
+# --- decoding -----------------------------------------------------------------
+
+def test_json_and_protobuf_decode_to_the_same_request():
+    from_json = decode_json(load("vllm_llm_request_v1.json"))
+    from_proto = decode_protobuf(from_json.SerializeToString())
+    assert from_proto == from_json
+    req, is_json = decode_body(gzip.compress(from_json.SerializeToString()), "application/x-protobuf", "gzip")
+    assert req == from_json and not is_json
+
+
+def test_json_accepts_snake_case_and_integer_enums():
+    doc = {"resource_spans": [{"scope_spans": [{"spans": [{
+        "trace_id": "5b8efff798038103d269b633813fc60c", "span_id": "1249ea9bf35be388",
+        "name": "llm_request", "kind": 2, "start_time_unix_nano": 1_000_000_000, "end_time_unix_nano": "3000000000"}]}]}]}
+    [(_, _, span)] = list(iter_spans(decode_json(json.dumps(doc).encode())))
+    assert span.kind == 2 and span.end_time_unix_nano == 3_000_000_000
+    assert span.trace_id.hex() == "5b8efff798038103d269b633813fc60c"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"\xff\xfe not json", 400, "UTF-8"),
+    (b"{\"resourceSpans\": ", 400, "not JSON"),
+    (b"[1, 2]", 400, "object"),
+    (b'{"resourceSpans": 5}', 400, "resourceSpans"),
+    (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "xyz"}]}]}]}', 400, "not hex"),
+    (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"startTimeUnixNano": "soon"}]}]}]}', 400, "startTimeUnixNano"),
+    (b'{"resourceSpans": [{"scopeSpans": [{"spans": [{"name": 7}]}]}]}', 400, "name"),
+    (b"[" * 100_000, 400, "JSON"),
+])
+def test_bad_json_is_refused_with_a_reason(body, status, words):
+    with pytest.raises(DecodeError) as e:
+        decode_json(body)
+    assert e.value.status == status and words in e.value.reason
+
+
+def test_truncated_protobuf_is_refused():
+    good = decode_json(load("vllm_llm_request_v1.json")).SerializeToString()
+    with pytest.raises(DecodeError) as e:
+        decode_protobuf(good[: len(good) // 2])
+    assert e.value.status == 400 and "protobuf" in e.value.reason
+
+
+def test_limits_on_size_spans_and_inflation():
+    body = load("vllm_llm_request_v1.json")
+    with pytest.raises(DecodeError) as e:
+        decode_body(body, "application/json", None, Limits(max_body_bytes=100))
+    assert e.value.status == 413
+    doc = json.loads(body)
+    spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    spans.extend(copy.deepcopy(spans[0]) for _ in range(4))
+    with pytest.raises(DecodeError) as e:
+        decode_body(json.dumps(doc).encode(), "application/json", None, Limits(max_spans=4))
+    assert e.value.status == 413 and "5 spans" in e.value.reason
+    bomb = gzip.compress(b"\0" * (64 << 20))   # 64 MiB of zeros in ~64 KiB
+    assert len(bomb) < 100_000
+    with pytest.raises(DecodeError) as e:
+        gunzip(bomb, 1 << 20)
+    assert e.value.status == 413
+    with pytest.raises(DecodeError) as e:
+        gunzip(gzip.compress(b"x" * 1000)[:-12], 1 << 20)
+    assert e.value.status == 400 and "truncated" in e.value.reason
+    with pytest.raises(DecodeError) as e:
+        decode_body(body, "text/plain", None)
+    assert e.value.status == 415
+    with pytest.raises(DecodeError) as e:
+        decode_body(body, "application/json", "br")
+    assert e.value.status == 415
+
+
+# Any JSON value in any position of an OTLP-shaped document: the parser must
+# either decode it or refuse it with a DecodeError, never raise anything else.
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+                      st.text(max_size=12), st.sampled_from(["5b8efff798038103d269b633813fc60c", "1249ea9bf35be388",
+                                                             "SPAN_KIND_SERVER", "llm_request", "1764680000"]))
+json_value = st.recursive(json_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=3),
+    st.dictionaries(st.sampled_from(["key", "value", "stringValue", "intValue", "doubleValue", "arrayValue",
+                                     "values", "kvlistValue", "boolValue", "x"]), inner, max_size=3)), max_leaves=12)
+span_doc = st.fixed_dictionaries({}, optional={
+    "traceId": json_value, "spanId": json_value, "parentSpanId": json_value, "name": json_value,
+    "kind": json_value, "startTimeUnixNano": json_value, "endTimeUnixNano": json_value,
+    "attributes": st.lists(st.fixed_dictionaries({"key": json_value, "value": json_value}), max_size=3),
+    "events": json_value, "links": json_value, "status": json_value})
+export_doc = st.fixed_dictionaries({"resourceSpans": st.lists(st.fixed_dictionaries({
+    "resource": st.one_of(json_value, st.fixed_dictionaries({"attributes": st.lists(
+        st.fixed_dictionaries({"key": json_value, "value": json_value}), max_size=2)})),
+    "scopeSpans": st.lists(st.fixed_dictionaries({"scope": json_value, "spans": st.lists(span_doc, max_size=3)}),
+                           max_size=2)}), max_size=2)})
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(export_doc, json_value))
+def test_property_json_bodies_decode_or_refuse_cleanly(doc):
+    body = json.dumps(doc).encode()
+    try:
+        req = decode_json(body)
+    except DecodeError as e:
+        assert e.status == 400 and e.reason
+        return
+    # What decodes also parses as request spans, whatever its attributes hold.
+    for _, _, span in iter_spans(req):
+        s = request_span(span)
+        assert s.end >= s.start and not math.isnan(s.e2e)
+
+
+# --- span -> service ------------------------------------------------------------
+
+class FakeCgroups:
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.paths = paths
+
+    def id_of(self, path: str) -> int | None:
+        return next((i for i, p in self.paths.items() if p == path), None)
+
+    def known(self) -> dict[int, str]:
+        return dict(self.paths)
+
+
+def test_cgroup_v2_path_from_proc_pid_cgroup():
+    assert cgroup_v2_path("12:cpu,cpuacct:/x\n0::/kubepods.slice/pod-a/cri-containerd-abc.scope\n") == \
+        "/kubepods.slice/pod-a/cri-containerd-abc.scope"
+    assert cgroup_v2_path("0::/\n") == "/"
+    assert cgroup_v2_path("1:name=systemd:/\n") is None
+
+
+def test_span_service_rules_in_spec_order(tmp_path):
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_text("0::/vllm/engine\n")
+    pod = "7d4c8a8e-1b2c-4d5e-8f90-0a1b2c3d4e5f"
+    cgroups = FakeCgroups({10: "/vllm/engine",
+                           20: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice",
+                           21: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-abcdef0123.scope"})
+    names = {10: "vllm", 20: "k8s-pod", 21: "ns/inference"}
+    services = SpanServices(cgroups, names.__getitem__, lambda: {"vllm", "batch"}, proc_root=tmp_path)
+    assert services.origin({"process.pid": 4242}).service == "vllm"
+    assert services.origin({"process.pid": 4242}).how == "process.pid"
+    # A pid that is not ours (another pid namespace) falls through to the next rule.
+    o = services.origin({"process.pid": 999999, "k8s.pod.uid": pod})
+    assert (o.service, o.how, o.cgroup_id) == ("ns/inference", "k8s.pod.uid", 21)
+    assert services.origin({"container.id": "abcdef0123"}).service == "ns/inference"
+    assert services.origin({"service.name": "batch"}).how == "service.name"
+    o = services.origin({"service.name": "nobody-knows"})
+    assert o.service is None and o.how == "unresolved"
+
+
+# --- verdicts and SLOs ------------------------------------------------------------
+
+def span(e2e: float = 1.8, ttft: float | None = 0.4) -> RequestSpan:
+    return RequestSpan("cmpl-42", "ab" * 16, "cd" * 8, None, 100.0, 100.0 + e2e, e2e, ttft=ttft, queue=0.05,
+                       prefill=0.3, decode=1.4)
+
+
+def sched(runq: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 0.0) -> RequestSched:
+    return RequestSched(runq, 37, by, iowait, 3, 1e-6)
+
+
+def test_verdict_names_the_largest_culprit_with_its_share():
+    s = sched(0.42, (("batch/etl", 0.38), ("host", 0.02)))
+    assert verdict(span(), s, "vllm") == "CPU contention from batch/etl added 0.38 s (21% of 1.80 s end to end)"
+    assert [c.kind for c in causes(s)] == ["preemption", "preemption", "runq"]
+    assert causes(s)[2].seconds == pytest.approx(0.02)
+
+
+def test_verdict_other_causes_and_noise():
+    assert verdict(span(), sched(0.002), "vllm") == "no significant scheduling delay (runq wait 2 ms)"
+    assert verdict(span(), sched(0.01, iowait=0.5), "vllm") == \
+        "I/O wait (D state) added 0.50 s (28% of 1.80 s end to end)"
+    assert verdict(span(), sched(0.3), "vllm").startswith("run-queue wait without preemption")
+    assert "no scheduling figures" in verdict(span(), None, None)
+    assert fmt_duration(0.0004) == "0.40 ms" and fmt_duration(0.025) == "25 ms" and fmt_duration(0.0031) == "3.1 ms"
+
+
+def test_request_slos_judge_e2e_and_ttft():
+    slos = (Slo("vllm", request_e2e_p99=2.0, request_ttft_p99=0.3), Slo("other", request_e2e_p99=0.1))
+    result = judge(span(e2e=1.8, ttft=0.4), slos, "vllm")
+    assert result == [{"name": "request_e2e_p99", "target": 2.0, "value": 1.8, "ok": True},
+                      {"name": "request_ttft_p99", "target": 0.3, "value": 0.4, "ok": False}]
+    assert [r["name"] for r in judge(span(ttft=None), slos, "vllm")] == ["request_e2e_p99"]
+    assert judge(span(), slos, "batch") == []
+
+
+def test_request_document_has_the_spec_shape():
+    doc = request_document(span(), "vllm", "process.pid", sched(0.21, (("batch", 0.19),)), [], True)
+    assert {"request_id", "trace_id", "service", "start", "end", "e2e", "ttft", "queue", "sched", "slo",
+            "verdict"} <= set(doc)
+    assert doc["sched"] == {"runq_wait_seconds": 0.21, "preemptions": 37,
+                            "preempted_by": [{"service": "batch", "wait_seconds": 0.19}],
+                            "iowait_seconds": 0.0, "migrations": 3}
+    json.dumps(doc)
+
+
+def test_request_store_bounds_and_queries():
+    now = [1000.0]
+    store = RequestStore(retention_s=60, max_requests=3, clock=lambda: now[0])
+    for i in range(5):
+        store.add({"request_id": f"r{i}", "service": "a" if i % 2 else "b", "end": 990.0 + i,
+                   "slo": [{"name": "request_e2e_p99", "ok": i != 3}]})
+    assert [d["request_id"] for d in store.query()] == ["r2", "r3", "r4"] and store.evicted == 2
+    assert [d["request_id"] for d in store.query(service="a")] == ["r3"]
+    assert [d["request_id"] for d in store.query(breached=True)] == ["r3"]
+    assert [d["request_id"] for d in store.query(since_s=7)] == ["r3", "r4"]
+    now[0] = 1053.5
+    assert store.get("r2") is None and store.get("r4") is not None
