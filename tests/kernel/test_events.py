@@ -1,0 +1,75 @@
+"""The exact event stream of a watched cgroup against the in-kernel histogram
+of the same cgroup: both are fed by the same switch-ins, so with no drops their
+counts and sums must agree to the nanosecond."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+from agent.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, HIST_IOWAIT, HIST_RUNQ
+from tests.support import kernel_unavailable, require_kernel
+from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
+
+pytestmark = pytest.mark.kernel
+
+
+@pytest.fixture
+def probe():
+    reason = kernel_unavailable() or (None if importlib.util.find_spec("bcc") else "python3-bpfcc is not installed")
+    if reason:
+        require_kernel(reason)
+    from agent.probe import features
+    from agent.probe.loader import Probe
+
+    p = Probe.load(features.detect())
+    yield p
+    p.close()
+
+
+def test_watched_cgroup_events_equal_its_histogram(probe):
+    with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim:
+        probe.watch({victim.id})
+        for cpu in (0, 1):
+            noisy.spawn(hog_argv(cpu=cpu))
+        v = victim.spawn(victim_argv(2.0, sleep_ms=1.0, work_ms=0.3))
+        io = victim.spawn(iowait_argv(2.0))
+        events = []
+        while v.poll() is None or io.poll() is None:
+            time.sleep(0.1)
+            events += probe.drain_events()
+        time.sleep(0.1)
+        events += probe.drain_events()
+        snap = probe.snapshot()
+        noise_events = [e for e in events if e.cgid != victim.id]
+
+    runq = [e for e in events if e.cgid == victim.id and e.kind in (EV_RUNQ, EV_PREEMPTED)]
+    iow = [e for e in events if e.cgid == victim.id and e.kind == EV_IOWAIT]
+    hist = snap.hists[(victim.id, HIST_RUNQ)]
+    assert snap.errors["events"] == 0 and snap.errors["events_rate_limited"] == 0
+    assert noise_events == []  # only the watched cgroup streams
+    assert len(runq) == sum(b.count for b in hist.values()) > 1000
+    assert sum(e.end_ns - e.start_ns for e in runq) == sum(b.sum_ns for b in hist.values())
+    io_hist = snap.hists[(victim.id, HIST_IOWAIT)]
+    assert len(iow) == sum(b.count for b in io_hist.values()) > 0
+    assert sum(e.end_ns - e.start_ns for e in iow) == sum(b.sum_ns for b in io_hist.values())
+    assert sum(1 for e in events if e.kind == EV_MIGRATE) == snap.cgroups[victim.id].migrations
+    # preempted waits carry their preemptor: here almost all are the hogs
+    pre = [e for e in runq if e.kind == EV_PREEMPTED]
+    assert pre and all(e.end_ns >= e.start_ns for e in pre)
+
+
+def test_only_watched_cgroups_stream(probe):
+    """The busy host streams nothing while an idle cgroup is the only one watched."""
+    with TestCgroup("idle") as idle:
+        probe.watch({idle.id})
+        before = probe.snapshot()
+        time.sleep(0.5)
+        events = probe.drain_events()
+        after = probe.snapshot()
+        probe.watch(set())
+    host_runs = sum(b.count for (cg, kind), h in after.hists.items() if kind == HIST_RUNQ for b in h.values()) \
+        - sum(b.count for (cg, kind), h in before.hists.items() if kind == HIST_RUNQ for b in h.values())
+    assert host_runs > 0 and events == []
