@@ -7,9 +7,11 @@ is re-implemented here from Prometheus' promql/quantile.go (bucketQuantile).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -303,3 +305,16 @@ def test_reference_quantile_matches_prometheus_edge_cases() -> None:
     assert prometheus_histogram_quantile(0.9, b) == 2.0          # in +Inf: highest finite bound
     assert prometheus_histogram_quantile(0.1, b) == pytest.approx(0.3)  # first bucket starts at 0
     assert math.isnan(prometheus_histogram_quantile(0.5, [(1.0, 0.0), (math.inf, 0.0)]))
+
+
+def _load_script(name: str):
+    path = Path(__file__).resolve().parents[2] / "scripts" / name
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_metrics_doc_is_generated_from_the_code() -> None:
+    gen = _load_script("gen-metrics-doc.py")
+    assert gen.DOC.read_text() == gen.render(), "docs/metrics.md is stale: run scripts/gen-metrics-doc.py"

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Write docs/metrics.md from the code: a collector run over a small synthetic store.
+
+    scripts/gen-metrics-doc.py            rewrite docs/metrics.md
+    scripts/gen-metrics-doc.py --check    exit 1 if the committed file differs
+
+Names, types, labels and help come from what the collector actually exposes,
+not from a hand-kept list, and the histogram_quantile accuracy table is
+recomputed from seeded synthetic data, so the document cannot drift from the
+code (tests/unit/test_prometheus_export.py runs --check's comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from agent.config import Slo  # noqa: E402
+from agent.export.figures import CATALOG, QUANTILE_WINDOW_S, Sources, histogram_point  # noqa: E402
+from agent.export.prometheus import SlatraceCollector  # noqa: E402
+from agent.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
+from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
+from agent.store.store import Store  # noqa: E402
+
+DOC = REPO / "docs" / "metrics.md"
+QS = (0.5, 0.9, 0.95, 0.99)
+
+
+def synthetic_store() -> tuple[Store, Sources]:
+    """Two services preempting each other, with every hook filled in, so every
+    family of the catalog shows up in one scrape."""
+    store = Store(retention_s=900, clock=lambda: 1_000.0)
+    names = {1: "api", 2: "batch"}
+    store.ingest(ProbeSnapshot(0, 998.0), names.__getitem__)
+    runq = Histogram.from_ns([20_000, 45_000, 3_000_000])
+    io = Histogram.from_ns([4_000_000])
+    store.ingest(ProbeSnapshot(
+        mono_ns=10**9, wall=999.0,
+        hists={(1, 0): dict(runq.items()), (2, 0): dict(runq.items()), (1, 1): dict(io.items())},
+        pairs={(1, 2): PairCounters(2, 3_000_000), (2, 1): PairCounters(1, 20_000)},
+        cgroups={1: CgroupCounters(migrations=3), 2: CgroupCounters(migrations=1, untraced_switch_in=1)},
+        errors={"hists": 0},
+        programs={"sched_switch": ProgramStats(1000, 800_000), "sched_wakeup": ProgramStats(400, 150_000)},
+    ), names.__getitem__)
+    sources = Sources(
+        slos=(Slo("api", runq_p99=0.005),),
+        throttled_seconds=lambda: {"batch": 0.2},
+        slo_breaches=lambda: {("api", "runq_p99"): 1},
+        request_sched_delay=lambda: {"api": Histogram.from_ns([30_000, 2_500_000])},
+        agent_stats=lambda: {"slatrace_poll_duration_seconds": 0.003, "slatrace_poll_errors": 0},
+    )
+    return store, sources
+
+
+def scrape_text() -> str:
+    store, sources = synthetic_store()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(SlatraceCollector(store, sources=sources))
+    return generate_latest(registry).decode()
+
+
+def prometheus_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[int]) -> float:
+    """histogram_quantile() as Prometheus computes it (promql bucketQuantile)."""
+    rank = q * cumulative[-1]
+    b = next(i for i, c in enumerate(cumulative) if c >= rank)
+    if b == len(bounds):
+        return bounds[-1]
+    start, count = 0.0, cumulative[b]
+    if b > 0:
+        start, count, rank = bounds[b - 1], count - cumulative[b - 1], rank - cumulative[b - 1]
+    return start + (bounds[b] - start) * (rank / count)
+
+
+def _lognormal(rng: random.Random, n: int, median_ns: float, sigma: float) -> list[int]:
+    return [max(1, int(rng.lognormvariate(math.log(median_ns), sigma))) for _ in range(n)]
+
+
+def accuracy_rows() -> list[tuple[str, float, float, int]]:
+    """(distribution, max error, mean error, quantiles compared) per distribution family."""
+    rng = random.Random(20240601)
+    bounds = classic_bounds()
+    cases: list[tuple[str, list[list[int]]]] = []
+    medians = [10.0 ** (e / 2) * 1e9 for e in range(-10, 2)]   # 10 µs .. 3 s, half decades
+    for sigma in (0.1, 0.3, 0.5, 1.0, 2.0):
+        cases.append((f"log-normal, σ = {sigma} (ln units), medians 10 µs – 3 s",
+                      [_lognormal(rng, 20_000, m, sigma) for m in medians]))
+    bimodal = []
+    for fast, slow, share in ((20_000, 4_000_000, 0.03), (50_000, 30_000_000, 0.2),
+                              (10_000, 1_000_000_000, 0.02), (200_000, 5_000_000, 0.4)):
+        n_slow = int(20_000 * share)
+        bimodal.append(_lognormal(rng, 20_000 - n_slow, fast, 0.6) + _lognormal(rng, n_slow, slow, 0.6))
+    cases.append(("bimodal (σ = 0.6 modes; 20 µs + 4 ms, 50 µs + 30 ms, 10 µs + 1 s, 200 µs + 5 ms)", bimodal))
+    gap = [_lognormal(rng, 19_000, 20_000, 0.6) + _lognormal(rng, 1_000, 4_000_000, 0.6)]
+    cases.append(("bimodal, 5% slow: P95 on the split between the modes (20 µs + 4 ms)", gap))
+    rows = []
+    for label, datasets in cases:
+        errs = []
+        for values in datasets:
+            hist = Histogram.from_ns(values)
+            cum = histogram_point(("x",), hist, bounds).cumulative
+            for q in QS:
+                ref = hist.quantile(q)
+                if 10e-6 <= ref <= 10.0:
+                    errs.append(abs(prometheus_quantile(q, bounds, cum) - ref) / ref)
+        rows.append((label, max(errs), sum(errs) / len(errs), len(errs)))
+    return rows
+
+
+def _fmt_seconds(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.4g} {unit}"
+    return f"{s * 1e9:.4g} ns"
+
+
+def render() -> str:
+    families = {f.name: f for f in text_string_to_metric_families(scrape_text())}
+    specs = {s.name: s for s in CATALOG}
+    out = [
+        "# slatrace metrics",
+        "",
+        "<!-- Generated by scripts/gen-metrics-doc.py from a collector run; do not edit by hand. -->",
+        "",
+        "Served at `GET /metrics` (Prometheus text format). Durations are in seconds. Every",
+        "histogram uses the same bucket bounds for every service (below). The `service` and",
+        "`by_service` label values are bounded by `max_services`: beyond it, new services are",
+        "counted under `other`. Series for a service appear once it has been seen scheduling.",
+        "",
+        "| metric | type | labels | help | source |",
+        "|---|---|---|---|---|",
+    ]
+    for spec in CATALOG:
+        fam = families[spec.name]
+        seen = sorted({k for s in fam.samples for k in s.labels if k not in ("le", "quantile")})
+        extra = {"histogram": ["le"], "summary": ["quantile"]}.get(fam.type, [])
+        labels = ", ".join(f"`{k}`" for k in seen + extra) or "—"
+        names = " ".join(f"`{n}`" for n in spec.exposed_names)
+        out.append(f"| {names} | {fam.type} | {labels} | {fam.documentation} | {spec.source} |")
+    assert set(families) == set(specs), "catalog and exposition disagree"
+
+    out += [
+        "",
+        "Sources: `store` is computed from the BPF maps through the store; `config slos` needs",
+        "SLOs in the config file; `hook: ...` is filled by the subsystem that owns the figure",
+        "(`agent.export.figures.Sources`) and is absent until that subsystem is wired in.",
+        "",
+        f"`slatrace_runq_latency_quantile_seconds` is a summary: its quantiles cover the last",
+        f"{QUANTILE_WINDOW_S:.0f} s, its `_sum`/`_count` the whole run. Query it as before,",
+        "`slatrace_runq_latency_quantile_seconds{quantile=\"0.99\"}`.",
+        "",
+        "## Bucket bounds",
+        "",
+        "Every bound is a boundary of the in-kernel log-linear slots (16 per power of two), so the",
+        "exported cumulative counts are exact counts of the kernel's samples, with no re-bucketing",
+        "error: 2^k ns and 2^k·(1 + 7/16) ns for k = 13 … 33, then 2^34 ns — steps of about 1.4x.",
+        "A sample exactly equal to a bound is counted in the bucket above it (the kernel's slots are",
+        "[lo, hi)); with integer-nanosecond samples that is the only difference from `le`.",
+        "",
+        "| | bounds (`le`) |",
+        "|---|---|",
+    ]
+    bounds = classic_bounds()
+    for i in range(0, len(bounds), 8):
+        chunk = bounds[i:i + 8]
+        out.append(f"| {i + 1}–{i + len(chunk)} | " + ", ".join(_fmt_seconds(b) for b in chunk) + " |")
+
+    out += [
+        "",
+        "## How close `histogram_quantile` gets",
+        "",
+        "`histogram_quantile()` over these buckets interpolates linearly inside a ~1.4x bucket;",
+        "the agent's own quantile (`slatrace_runq_latency_quantile_seconds`, the HTTP API)",
+        "interpolates inside a 1/16-octave slot and is within ~1% of the exact value. Relative",
+        "difference between the two, for P50/P90/P95/P99 between 10 µs and 10 s, over seeded",
+        "synthetic data (20 000 samples per distribution):",
+        "",
+        "| distribution | max error | mean error | quantiles compared |",
+        "|---|---|---|---|",
+    ]
+    for label, worst, mean, n in accuracy_rows():
+        out.append(f"| {label} | {worst:.1%} | {mean:.1%} | {n} |")
+    out += [
+        "",
+        "Run-queue latency spreads over decades (σ ≥ 0.5): there histogram_quantile stays within",
+        "~10%. A distribution narrower than one bucket (σ ≤ 0.3), or a quantile that falls into the",
+        "empty gap between two modes, can be off by up to the bucket width (~40%): for those, and for",
+        "SLO decisions, use the agent's quantile. More bounds buy little: 48–50 geometric bounds on",
+        "slot boundaries improve the σ = 0.5 worst case from ~10% to ~8% only.",
+        "",
+        "`tests/e2e/test_prometheus.py` checks the same against a real Prometheus: histogram_quantile",
+        "of a victim service under contention vs the agent's quantile on the same data, within 10%.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if docs/metrics.md is out of date")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        if DOC.read_text() != text:
+            print(f"{DOC} is out of date: run scripts/gen-metrics-doc.py", file=sys.stderr)
+            return 1
+        return 0
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    DOC.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
