@@ -19,15 +19,20 @@ from typing import TYPE_CHECKING
 from prometheus_client.registry import CollectorRegistry
 
 from agent.api.routes import AgentState, Api
+from agent.attribution.attribution import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, parse_listen
 from agent.config import Config
+from agent.export.figures import Sources
 from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
+from agent.identity.docker import DockerNames
+from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
 from agent.store.events import EventLog
 from agent.store.store import Store
+from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 
 if TYPE_CHECKING:
     from agent.export.otlp import OtlpMetricsExporter
@@ -91,9 +96,18 @@ class Daemon:
         self.polls = 0
         self.poll_errors = 0
         self._resolver: ServiceResolver | None = None
+        # CPU-quota throttling and interval SLO breaches, kept per interval beside the store.
+        self.throttle = ThrottleLedger(config.retention)
+        self.breaches = SloBreaches(config.slos, config.retention)
+        self._throttle_reader: ThrottleReader | None = None
+        self._pods = PodIndex()
+        self._pod_watcher = PodWatcher(self._pods)
         self.state = AgentState(config=config, store=self.store, registry=self.registry,
-                                describe_services=self._describe_services)
-        self.registry.register(SlatraceCollector(self.store, self._self_metrics))
+                                describe_services=self._describe_services,
+                                throttled_between=self.throttle.between,
+                                breaches_between=self.breaches.between)
+        self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
+            slos=config.slos, throttled_seconds=self.throttle.totals, slo_breaches=self.breaches.totals)))
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
@@ -149,7 +163,12 @@ class Daemon:
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
         self._bpf_stats.enable()
         cgroups = CgroupPaths(features.cgroup2)
-        self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services)
+        self._pod_watcher.start()
+        self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services,
+                                         retention_s=self.config.retention, pods=self._pods,
+                                         docker=DockerNames())
+        self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
+                                               features.cgroup2)
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()
@@ -192,7 +211,10 @@ class Daemon:
     def poll_once(self) -> None:
         t0 = time.monotonic()
         snap = self._probe.snapshot()
-        self.store.ingest(snap, self._resolver.service_of)
+        record = self.store.ingest(snap, self._resolver.service_of)
+        if record is not None:
+            self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service()))
+            self.breaches.observe(record.end, record.services)
         self.poll_seconds = time.monotonic() - t0
         self.polls += 1
         self.state.ready = True
@@ -228,6 +250,7 @@ class Daemon:
 
     def close(self) -> None:
         self.stop_event.set()
+        self._pod_watcher.stop()
         if self._traces is not None:
             self._traces.close()
             self._traces = None

@@ -45,6 +45,9 @@ class AgentState:
     ready: bool = False
     failure: str | None = None
     extra_routes: dict[str, Callable[[dict[str, list[str]]], Response]] = field(default_factory=dict)
+    # (start, end] -> per-service throttled seconds / per-(service, slo) breached intervals
+    throttled_between: Callable[[float, float], dict[str, float]] | None = None
+    breaches_between: Callable[[float, float], dict[tuple[str, str], int]] | None = None
 
 
 class Api:
@@ -95,7 +98,13 @@ class Api:
         since = float_param(query, "since", DEFAULT_SINCE_S)
         service = str_param(query, "service")
         window = self.state.store.window(since, service=service)
-        return json_response(200, attribution(window, self.state.config.slos, service))
+        throttled = breaches = None
+        if window.intervals:
+            if self.state.throttled_between is not None:
+                throttled = self.state.throttled_between(window.start, window.end)
+            if self.state.breaches_between is not None:
+                breaches = self.state.breaches_between(window.start, window.end)
+        return json_response(200, attribution(window, self.state.config.slos, service, throttled, breaches))
 
 
 class QueryError(ValueError):

@@ -2,13 +2,45 @@
 
 Turns the store's merged windows into the JSON records of SPEC.md
 (`GET /api/v1/attribution`). Pure: no host access, no bcc.
+
+Blame is a split of the service's measured delay by measured time, never by
+fixed weights. The delay is its run-queue wait plus its D-state wait. The
+run-queue wait is divided into:
+
+- own-quota throttling: the cgroup's throttled time from cpu.stat, capped at
+  the run-queue wait (a throttled task is runnable but dequeued, so its
+  throttled time is run-queue wait; the kernel measured it directly);
+- waits after preemptions, by the service that took the CPU (the same
+  service, a neighbour, or kernel/unknown — the idle task included). A
+  throttled task is switched out as if preempted, so the throttled time is
+  taken out of these waits first, pro rata, instead of being counted twice;
+- the rest: waits after wakeups, while the CPU was busy (the BPF side does not
+  record who held the CPU then, so no culprit is invented for it).
+
+That is what tells a service starved by its own quota from a victim of its
+neighbours: the same run-queue wait, a different measured cause.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from agent.config import Slo
+
+__all__ = [
+    "SCHED_SLOS",
+    "SloBreaches",
+    "SloResult",
+    "attribution",
+    "blame",
+    "judge_slos",
+    "service_record",
+    "verdict",
+]
 
 # SLO keys judged from the scheduler histograms, and how to read them
 SCHED_SLOS = {
@@ -16,6 +48,10 @@ SCHED_SLOS = {
     "runq_p95": ("runq", 0.95),
     "iowait_p99": ("iowait", 0.99),
 }
+
+# Preemptor names that are not a service anyone runs: the kernel's own threads,
+# the idle task and tasks whose cgroup the probe never saw.
+KERNEL_NAMES = frozenset({"kernel", "unknown"})
 
 
 @dataclass(frozen=True)
@@ -29,7 +65,7 @@ class SloResult:
         return {"name": self.name, "target": self.target, "value": self.value, "ok": self.ok}
 
 
-def judge_slos(slos: tuple[Slo, ...], service: str, figures) -> list[SloResult]:
+def judge_slos(slos: tuple[Slo, ...], service: str, figures: Any) -> list[SloResult]:
     """SLOs of `service` judged on a ServiceWindow/ServiceInterval. An SLO with
     no samples in the window is met: nothing waited."""
     out = []
@@ -46,13 +82,194 @@ def judge_slos(slos: tuple[Slo, ...], service: str, figures) -> list[SloResult]:
     return out
 
 
-def service_record(service: str, start: float, end: float, figures, slos: tuple[Slo, ...] = (),
-                   throttled_seconds: float = 0.0) -> dict:
+class SloBreaches:
+    """Intervals that broke a scheduler SLO: counted since start (the
+    `slatrace_slo_breaches_total` counter) and kept per interval for the
+    retention window, so a window's record can say how many of its intervals
+    broke each SLO."""
+
+    def __init__(self, slos: tuple[Slo, ...], retention_s: float) -> None:
+        self.slos = slos
+        self.retention_s = retention_s
+        self._lock = threading.Lock()
+        self._totals: dict[tuple[str, str], int] = {}
+        self._recent: deque[tuple[float, str, str]] = deque()
+
+    def observe(self, end: float, services: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """Judge one interval (service -> ServiceInterval) ending at `end`;
+        returns the (service, slo) pairs it broke."""
+        broken = [
+            (service, r.name)
+            for service in sorted({s.service for s in self.slos})
+            if service in services
+            for r in judge_slos(self.slos, service, services[service])
+            if not r.ok
+        ]
+        with self._lock:
+            for key in broken:
+                self._totals[key] = self._totals.get(key, 0) + 1
+                self._recent.append((end, *key))
+            # Judged services are all listed at 0, so rate() works from the start.
+            for slo in self.slos:
+                for name in SCHED_SLOS:
+                    if getattr(slo, name) is not None:
+                        self._totals.setdefault((slo.service, name), 0)
+            while self._recent and self._recent[0][0] < end - self.retention_s:
+                self._recent.popleft()
+        return broken
+
+    def totals(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self._totals)
+
+    def between(self, start: float, end: float) -> dict[tuple[str, str], int]:
+        """Breached intervals that ended in (start, end], per (service, slo)."""
+        out: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for t, service, slo in self._recent:
+                if start < t <= end:
+                    out[(service, slo)] = out.get((service, slo), 0) + 1
+        return out
+
+
+def _culprit_kind(service: str, culprit: str) -> str:
+    if culprit == service:
+        return "self"
+    if culprit in KERNEL_NAMES:
+        return "kernel"
+    return "neighbour"
+
+
+# Category of the largest share -> what the verdict calls it.
+_CAUSE_OF_KIND = {
+    "neighbour": "neighbours",
+    "self": "self",
+    "kernel": "kernel",
+    "own_quota": "own_quota",
+    "busy_cpu": "busy_cpu",
+    "io": "iowait",
+}
+
+
+def blame(service: str, figures: Any, throttled_seconds: float = 0.0) -> dict:
+    """The measured split of `service`'s delay over a window (see the module doc)."""
+    wait = figures.runq.sum_seconds
+    iowait = figures.iowait.sum_seconds
+    preempted = {name: p.wait_ns / 1e9 for name, p in figures.preempted_by.items()}
+    raw_total = sum(preempted.values())
+    # Pair waits and the histogram sum come from the same switch-ins, but a
+    # map update can fail on one side only: never let the parts exceed the whole.
+    preempted_total = min(raw_total, wait)
+    throttled = min(max(throttled_seconds, 0.0), wait)
+    from_preempt = min(throttled, preempted_total)
+    keep = (preempted_total - from_preempt) / raw_total if raw_total else 0.0
+    wakeup = max(0.0, wait - preempted_total - (throttled - from_preempt))
+    delay = wait + iowait
+
+    def share(seconds: float) -> float:
+        return seconds / delay if delay > 0 else 0.0
+
+    culprits = sorted(
+        ({"service": name, "kind": _culprit_kind(service, name), "seconds": s * keep,
+          "share": share(s * keep)} for name, s in preempted.items() if s > 0),
+        key=lambda c: c["seconds"], reverse=True,
+    )
+    shares = [{"cause": "preemption", **c} for c in culprits]
+    if throttled > 0:
+        shares.append({"cause": "throttling", "kind": "own_quota", "seconds": throttled,
+                       "share": share(throttled)})
+    if wakeup > 0:
+        shares.append({"cause": "runq_after_wakeup", "kind": "busy_cpu", "seconds": wakeup,
+                       "share": share(wakeup)})
+    if iowait > 0:
+        shares.append({"cause": "iowait", "kind": "io", "seconds": iowait, "share": share(iowait)})
+
+    by_kind: dict[str, float] = {}
+    for s in shares:
+        by_kind[s["kind"]] = by_kind.get(s["kind"], 0.0) + s["seconds"]
+    cause = "none"
+    if delay > 0 and by_kind:
+        cause = _CAUSE_OF_KIND[max(by_kind.items(), key=lambda kv: kv[1])[0]]
+    return {
+        "delay_seconds": delay,
+        "cause": cause,
+        "kinds": {k: {"seconds": v, "share": share(v)} for k, v in
+                  sorted(by_kind.items(), key=lambda kv: kv[1], reverse=True)},
+        "culprits": culprits,
+        "shares": sorted(shares, key=lambda s: s["seconds"], reverse=True),
+    }
+
+
+def _fmt(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds:.2f}s"
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.0f}%"
+
+
+def verdict(record: Mapping[str, Any]) -> str:
+    """One sentence naming the largest measured cause of the service's delay."""
+    service = record["service"]
+    b = record["blame"]
+    runq = record["runq"]
+    broken = [s for s in record.get("slo", []) if not s["ok"]]
+    lead = f"{service}: run-queue P99 {_fmt(runq['p99'])}"
+    if broken:
+        lead += " (" + ", ".join(f"{s['name']} {_fmt(s['value'])} over its {_fmt(s['target'])} target"
+                                 for s in broken) + ")"
+    if b["cause"] == "none":
+        return f"{service}: no measurable scheduling or I/O delay in this window."
+    kinds = b["kinds"]
+    delay = _fmt(b["delay_seconds"])
+
+    def part(kind: str) -> float:
+        return kinds.get(kind, {}).get("share", 0.0)
+
+    neighbours = [c for c in b["culprits"] if c["kind"] == "neighbour"]
+    named = " and ".join(f"{c['service']} ({_fmt(c['seconds'])}, {_pct(c['share'])})" for c in neighbours[:2])
+    cause = b["cause"]
+    if cause == "own_quota":
+        body = (f"starved by its own CPU quota, throttled {_fmt(kinds['own_quota']['seconds'])} "
+                f"= {_pct(part('own_quota'))} of its {delay} delay, while neighbours account for "
+                f"{_pct(part('neighbour'))}")
+    elif cause == "neighbours":
+        body = (f"delayed by its neighbours, preempted by {named}, "
+                f"{_pct(part('neighbour'))} of its {delay} delay (own quota {_pct(part('own_quota'))})")
+    elif cause == "busy_cpu":
+        body = (f"mostly waited for a busy CPU after waking up, {_pct(part('busy_cpu'))} of its {delay} delay"
+                + (f"; preemptions by {named} add {_pct(part('neighbour'))}" if neighbours else "")
+                + (f"; own quota {_pct(part('own_quota'))}" if part("own_quota") else ""))
+    elif cause == "iowait":
+        body = f"mostly blocked in I/O (D state), {_pct(part('io'))} of its {delay} delay"
+    elif cause == "self":
+        body = (f"mostly preempted by its own threads, {_pct(part('self'))} of its {delay} delay "
+                f"(more runnable threads than CPUs it gets)")
+    else:  # kernel
+        body = f"mostly preempted by kernel or unknown tasks, {_pct(part('kernel'))} of its {delay} delay"
+    return f"{lead}: {body}."
+
+
+def service_record(service: str, start: float, end: float, figures: Any, slos: tuple[Slo, ...] = (),
+                   throttled_seconds: float = 0.0,
+                   breaches: Mapping[tuple[str, str], int] | None = None) -> dict:
     runq, iowait = figures.runq, figures.iowait
     by = sorted(figures.preempted_by.items(), key=lambda kv: kv[1].wait_ns, reverse=True)
     preempt_count = sum(p.count for _, p in by)
     preempt_wait = sum(p.wait_ns for _, p in by) / 1e9
-    return {
+    slo = []
+    for r in judge_slos(slos, service, figures):
+        d = r.as_dict()
+        if breaches is not None:
+            d["intervals_breached"] = breaches.get((service, r.name), 0)
+        slo.append(d)
+    record = {
         "service": service,
         "start": start,
         "end": end,
@@ -76,15 +293,23 @@ def service_record(service: str, start: float, end: float, figures, slos: tuple[
             "switch_out": figures.untraced_switch_out,
             "wakeup": figures.untraced_wakeup,
         },
-        "slo": [r.as_dict() for r in judge_slos(slos, service, figures)],
+        "slo": slo,
+        "blame": blame(service, figures, throttled_seconds),
     }
+    record["verdict"] = verdict(record)
+    return record
 
 
-def attribution(window, slos: tuple[Slo, ...] = (), service: str | None = None) -> dict:
+def attribution(window: Any, slos: tuple[Slo, ...] = (), service: str | None = None,
+                throttled: Mapping[str, float] | None = None,
+                breaches: Mapping[tuple[str, str], int] | None = None) -> dict:
     """The `GET /api/v1/attribution` document for a store Window, services
-    sorted by run-queue P99, worst first."""
+    sorted by run-queue P99, worst first. `throttled` (service -> seconds) and
+    `breaches` ((service, slo) -> intervals) cover the same intervals."""
+    throttled = throttled or {}
     records = [
-        service_record(name, window.start, window.end, figures, slos)
+        service_record(name, window.start, window.end, figures, slos,
+                       throttled.get(name, 0.0), breaches)
         for name, figures in window.services.items()
         if service is None or name == service
     ]
