@@ -1,0 +1,64 @@
+"""Map memory, estimated from map shapes, for this host and for a large one.
+
+Hash maps are preallocated (BCC sets no BPF_F_NO_PREALLOC; LRU maps always
+are), so the memory is taken at load time, whatever the traffic. The kernel's
+own memlock figure is only available for the CPUs of this host; the formula
+lets the bench answer for a 64-CPU host too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# struct htab_elem (hash node, LRU node or per-CPU pointer, hash) plus the
+# bucket array and allocator slack, per element; an approximation.
+ELEM_OVERHEAD = 64
+PERCPU_HASH = {"percpu_hash", "lru_percpu_hash"}
+HASH = {"hash", "lru_hash"}
+PERCPU_ARRAY = {"percpu_array"}
+ARRAY = {"array", "perf_event_array", "prog_array"}
+RINGBUF = {"ringbuf"}
+MIB = 1 << 20
+
+
+def round8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True)
+class MapShape:
+    name: str
+    type: str
+    max_entries: int
+    key_size: int
+    value_size: int
+
+
+@dataclass(frozen=True)
+class MapInfo(MapShape):
+    memlock: int  # bytes the kernel charges for the map on this host
+
+
+def map_bytes(m: MapShape, cpus: int) -> int:
+    """Approximate bytes of one map on a host with `cpus` possible CPUs.
+
+    per-CPU hash: entries x round8(value) x CPUs + entries x (round8(key) + 64)
+    hash / LRU:   entries x (round8(key) + round8(value) + 64)
+    arrays:       entries x round8(value) (x CPUs when per-CPU)
+    ring buffer:  max_entries is its size in bytes
+    """
+    n = m.max_entries
+    if m.type in RINGBUF:
+        return n
+    if m.type in PERCPU_HASH:
+        return n * round8(m.value_size) * cpus + n * (round8(m.key_size) + ELEM_OVERHEAD)
+    if m.type in PERCPU_ARRAY:
+        return n * round8(m.value_size) * cpus
+    if m.type in ARRAY:
+        return n * round8(m.value_size)
+    # hash, lru_hash and anything unknown: one element per entry
+    return n * (round8(m.key_size) + round8(m.value_size) + ELEM_OVERHEAD)
+
+
+def total_bytes(maps: list[MapShape], cpus: int) -> int:
+    return sum(map_bytes(m, cpus) for m in maps)

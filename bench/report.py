@@ -1,0 +1,143 @@
+"""The bench's Markdown: a summary for the terminal and the generated section
+of BENCHMARKS.md, both rendered from the same results document (the JSON)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- BEGIN bench results: written by `make bench`; edits inside are overwritten -->"
+END = "<!-- END bench results -->"
+MIB = 1 << 20
+
+
+def _ns(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
+
+
+def _ratio(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _num(v: float | None, fmt: str = "{:.3f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def cost_table(summary: dict[str, dict[str, dict[str, Any]]], tools: tuple[str, ...]) -> list[str]:
+    """One row per workload and tool: runs and ns per run of each program kind."""
+    rows = ["| workload | tool | sched_switch runs | ns / switch | wakeup(+new) runs | ns / wakeup | "
+            "ns / event (switch+wakeup) | all programs, ns per switch |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for workload, by_tool in summary.items():
+        for tool in tools:
+            c = by_tool.get(tool)
+            if not c:
+                continue
+            rows.append(f"| {workload} | {tool} | {c['switch_runs']} | {_ns(c['switch_ns'])} | {c['wakeup_runs']} | "
+                        f"{_ns(c['wakeup_ns'])} | {_ns(c['event_ns'])} | {_ns(c['all_programs_ns_per_switch'])} |")
+    return rows
+
+
+def ratio_lines(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    rows = ["| workload | switch | wakeup | per event | all programs per switch |", "|---|---:|---:|---:|---:|"]
+    for workload, by_tool in summary.items():
+        s, r = by_tool.get("slatrace"), by_tool.get("runqlat")
+        if not s or not r:
+            continue
+
+        def q(key: str) -> str:
+            return _ratio(s[key] / r[key] if s[key] and r[key] else None)
+
+        rows.append(f"| {workload} | {q('switch_ns')} | {q('wakeup_ns')} | {q('event_ns')} | "
+                    f"{q('all_programs_ns_per_switch')} |")
+    return rows
+
+
+def render(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    st = res["settings"]
+    out = [
+        f"Measured {m['date']} on {m['nproc']} CPUs ({m['possible_cpus']} possible), kernel {m['kernel']}, "
+        f"commit {m['commit']} (bpf/sched.bpf.c sha256 {m['bpf_source_sha256']}).",
+        "",
+        f"Command: `{m['command']}` — {st['rounds_done']} interleaved rounds "
+        f"({st['rounds']} asked), {st['together_reps']} repetitions with both tools attached; "
+        f"workloads `{st['hackbench']}` and `{st['pipe']}`; whole run {res['elapsed_s']:.0f} s.",
+        "",
+    ]
+    if res.get("notes"):
+        out += [f"Note: {n}" for n in res["notes"]] + [""]
+
+    out += ["### Targets", "", "| target | measured | limit | verdict |", "|---|---:|---:|---|"]
+    for t in res["targets"]:
+        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "**FAIL**")
+        out.append(f"| {t['name']} | {t['measured']} | {t['limit']} | {verdict} |")
+
+    tools = ("slatrace", "runqlat")
+    out += ["", "### In-kernel cost, both tools attached (same events)", ""]
+    out += cost_table(res["together"]["summary"], tools)
+    out += ["", "slatrace / runqlat:", ""] + ratio_lines(res["together"]["summary"])
+    out += ["", "### In-kernel cost, each tool alone (interleaved rounds)", ""]
+    out += cost_table(res["alone"]["summary"], tools)
+    out += ["", "slatrace / runqlat:", ""] + ratio_lines(res["alone"]["summary"])
+
+    out += ["", f"### Workload throughput (median of {st['rounds_done']} rounds; lower is better)", "",
+            "| configuration | hackbench s | min–max | vs none | pipe usecs/op | min–max | vs none |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for config, by_w in res["throughput"].items():
+        h, p = by_w["hackbench"], by_w["pipe"]
+        out.append(f"| {config} | {_num(h['median'])} | {_num(h['min'])}–{_num(h['max'])} | {_ratio(h['ratio'])} | "
+                   f"{_num(p['median'], '{:.2f}')} | {_num(p['min'], '{:.2f}')}–{_num(p['max'], '{:.2f}')} | "
+                   f"{_ratio(p['ratio'])} |")
+
+    a = res["slatrace"]
+    out += ["", "### slatrace agent (median of rounds; min–max)", "", "| measure | median | min–max |",
+            "|---|---:|---:|"]
+    for label, key, scale, fmt in (("start-up, spawn → /readyz 200 (s)", "ready_s", 1, "{:.2f}"),
+                                   ("BPF compile + attach, from its log (s)", "attach_s", 1, "{:.2f}"),
+                                   ("RSS after the workloads (MiB)", "rss_bytes", MIB, "{:.1f}"),
+                                   ("USS after the workloads (MiB)", "uss_bytes", MIB, "{:.1f}"),
+                                   ("slatrace_poll_duration_seconds (ms)", "poll_s", 1e-3, "{:.1f}"),
+                                   ("agent CPU time during the workloads (ms)", "cpu_s", 1e-3, "{:.0f}")):
+        d = a.get(key) or {}
+        if d.get("median") is None:
+            out.append(f"| {label} | n/a | n/a |")
+            continue
+        out.append(f"| {label} | {fmt.format(d['median'] / scale)} | "
+                   f"{fmt.format(d['min'] / scale)}–{fmt.format(d['max'] / scale)} |")
+    rq_ready = res.get("runqlat", {}).get("ready_s") or {}
+    if rq_ready.get("median") is not None:
+        out.append(f"| runqlat-bpfcc start-up to attached (s), for comparison | {rq_ready['median']:.2f} | "
+                   f"{rq_ready['min']:.2f}–{rq_ready['max']:.2f} |")
+    rq = res.get("runqlat", {}).get("cpu_s") or {}
+    if rq.get("median") is not None:
+        out.append(f"| runqlat CPU time during the workloads (ms), for comparison | {rq['median'] * 1e3:.0f} | "
+                   f"{rq['min'] * 1e3:.0f}–{rq['max'] * 1e3:.0f} |")
+
+    mem = res["memory"]
+    if mem.get("maps"):
+        cpus = mem["cpus_here"]
+        out += ["", "### BPF map memory (default sizes, as loaded)", "",
+                f"| map | type | max_entries | key B | value B | formula, {cpus} CPUs (MiB) | "
+                f"kernel memlock here (MiB) | formula, 64 CPUs (MiB) |",
+                "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for mp in mem["maps"]:
+            out.append(f"| {mp['name']} | {mp['type']} | {mp['max_entries']} | {mp['key_size']} | "
+                       f"{mp['value_size']} | {mp['bytes_here'] / MIB:.2f} | {mp['memlock'] / MIB:.2f} | "
+                       f"{mp['bytes_64'] / MIB:.2f} |")
+        out.append(f"| **total** | | | | | {mem['bytes_here'] / MIB:.2f} | {mem['memlock_here'] / MIB:.2f} | "
+                   f"{mem['bytes_64'] / MIB:.2f} |")
+    return "\n".join(out) + "\n"
+
+
+def update_markdown(path: Path, section: str) -> None:
+    """Replace the generated section between the markers, or append it."""
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text, count=1)
+    else:
+        text = text.rstrip() + "\n\n## Results\n\n" + block + "\n"
+    path.write_text(text if text.endswith("\n") else text + "\n")

@@ -1,0 +1,439 @@
+"""`make bench`: slatrace's cost against bcc's runqlat-bpfcc, in one bounded run.
+
+1. Both tools attached at once over the same workload runs: the kernel's
+   per-program counters (kernel.bpf_stats_enabled) give ns per sched_switch
+   and per wakeup for each, on exactly the same events.
+2. Interleaved rounds of none / slatrace / runqlat (order rotated each round)
+   over the same workloads: throughput medians and ratios to "none", each
+   tool's in-kernel cost alone, slatrace's start-up time, RSS and poll time.
+3. The raw results go to bench-results/bench-<timestamp>.json; a Markdown
+   summary is printed and written into BENCHMARKS.md between markers.
+
+The VM is noisy, so everything is compared as medians and ratios of runs
+interleaved in time, never as one absolute number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import bpfstats, mapmem, report, workloads
+from bench.bpfstats import BpfStatsSwitch, Counter
+from bench.tools import RUNQLAT, Runqlat, Slatrace, Tool
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("none", "slatrace", "runqlat")
+TOOLS = {"slatrace": Slatrace, "runqlat": Runqlat}
+SETTLE_S = 0.5          # after attach/detach, so start-up and teardown stay out of the workload
+COST_RATIO_LIMIT = 1.5  # slatrace ns per scheduler event / runqlat's
+STARTUP_LIMIT_S = 3.0
+MEMORY_LIMIT_64 = 64 * mapmem.MIB
+REQUIRED = ("hackbench", "perf", "bpftool", RUNQLAT)
+
+
+class Progress:
+    """Timestamped progress lines: an operator is waiting on this."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{self.elapsed():6.1f}s] {msg}", flush=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, --quick 2)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and shorter workloads: a smoke test")
+    p.add_argument("--hackbench-groups", type=int, default=4)
+    p.add_argument("--hackbench-loops", type=int, default=None, help="default 1000 (--quick 400)")
+    p.add_argument("--pipe-loops", type=int, default=None, help="perf bench sched pipe -l (default 300000, --quick 100000)")
+    p.add_argument("--budget", type=float, default=300.0, metavar="SECONDS",
+                   help="start no round that would end after this (default %(default)s)")
+    md = p.add_mutually_exclusive_group()
+    md.add_argument("--write-md", dest="write_md", action="store_true", default=None,
+                    help="update BENCHMARKS.md (the default, except with --quick)")
+    md.add_argument("--no-write-md", dest="write_md", action="store_false")
+    p.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
+    args = p.parse_args(argv)
+    args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
+    args.hackbench_loops = args.hackbench_loops or (400 if args.quick else 1000)
+    args.pipe_loops = args.pipe_loops or (100000 if args.quick else 300000)
+    args.write_md = (not args.quick) if args.write_md is None else args.write_md
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
+
+
+def preflight() -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("bench: run as root (loading BPF and kernel.bpf_stats_enabled need it): sudo make bench")
+    missing = [t for t in REQUIRED if shutil.which(t) is None]
+    if missing:
+        raise SystemExit(f"bench: {', '.join(missing)} not found: run 'make setup-test' (installs rt-tests, "
+                         "linux-perf, bpftool, bpfcc-tools)")
+    if not bpfstats.BPF_STATS.exists():
+        raise SystemExit(f"bench: {bpfstats.BPF_STATS} is missing: this kernel cannot report BPF program costs")
+
+
+def command_line(argv: list[str]) -> str:
+    """How this run was started, as an operator would retype it."""
+    if os.environ.get("MAKELEVEL"):
+        return "make bench" + (f" ARGS={shlex.quote(shlex.join(argv))}" if argv else "")
+    return shlex.join([".venv/bin/python", "-m", "bench.run", *argv])
+
+
+def machine(argv: list[str]) -> dict[str, Any]:
+    src = ROOT / "bpf" / "sched.bpf.c"
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+        # Others may be editing the probe: say when what ran is not the commit.
+        status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "bpf", "agent"],
+                                capture_output=True, text=True, timeout=10).stdout
+        commit += dirty_note([line[3:] for line in status.splitlines() if len(line) > 3])
+    except (OSError, subprocess.TimeoutExpired):
+        commit = "unknown"
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "kernel": platform.release(),
+        "nproc": os.cpu_count(),
+        "possible_cpus": possible_cpus(),
+        "commit": commit,
+        "bpf_source_sha256": hashlib.sha256(src.read_bytes()).hexdigest()[:12] if src.exists() else "missing",
+        "command": command_line(argv),
+    }
+
+
+def dirty_note(paths: list[str]) -> str:
+    """" + uncommitted bpf/sched.bpf.c, 3 files under agent/" or ""."""
+    if not paths:
+        return ""
+    bpf = sorted(p for p in paths if p.startswith("bpf/"))
+    others = len(paths) - len(bpf)
+    parts = bpf + ([f"{others} file(s) under agent/"] if others else [])
+    return " + uncommitted " + ", ".join(parts)
+
+
+def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """Per-CPU maps are sized by possible, not online, CPUs. "0-1,4-7" -> 6."""
+    n = 0
+    for part in path.read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def counters_json(c: dict[str, Counter]) -> dict[str, dict[str, int]]:
+    return {tp: {"run_cnt": v.run_cnt, "run_time_ns": v.run_time_ns} for tp, v in sorted(c.items())}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"values": [], "median": None, "min": None, "max": None}
+    return {"values": vals, "median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, stats: BpfStatsSwitch, logdir: Path, progress: Progress) -> None:
+        self.args = args
+        self.stats = stats
+        self.logdir = logdir
+        self.progress = progress
+        self.running: list[Tool] = []
+        self.workloads = (workloads.hackbench(args.hackbench_groups, args.hackbench_loops),
+                          workloads.pipe(args.pipe_loops))
+        self.notes: list[str] = []
+        self._starts = 0
+
+    # -- tools ---------------------------------------------------------------
+    def start(self, name: str) -> Tool:
+        self._starts += 1
+        tool = TOOLS[name].start(self.logdir / f"{name}-{self._starts}.log")
+        self.running.append(tool)
+        tool.wait_ready()
+        return tool
+
+    def stop(self, tool: Tool) -> None:
+        tool.stop()
+        if tool in self.running:
+            self.running.remove(tool)
+
+    def stop_all(self) -> None:
+        for tool in list(self.running):
+            try:
+                self.stop(tool)
+            except Exception as e:  # keep stopping the others
+                print(f"bench: stopping {tool.name} (pid {tool.pid}) failed: {e}", file=sys.stderr)
+
+    # -- measurement ---------------------------------------------------------
+    def measure(self, tools: list[Tool]) -> tuple[dict[str, float], dict[str, dict[str, dict[str, Counter]]]]:
+        """Run every workload once; per workload its result and each tool's
+        program-counter deltas over exactly that run."""
+        results: dict[str, float] = {}
+        deltas: dict[str, dict[str, dict[str, Counter]]] = {}
+        for w in self.workloads:
+            self.stats.ensure()
+            before = {t.name: t.counters.read() for t in tools}
+            results[w.name] = w.run()
+            after = {t.name: t.counters.read() for t in tools}
+            deltas[w.name] = {t.name: bpfstats.delta(after[t.name], before[t.name]) for t in tools}
+        return results, deltas
+
+    def warm_up(self) -> None:
+        self.progress("warm-up: one unrecorded run of each workload")
+        for w in self.workloads:
+            w.run()
+
+    def together(self) -> dict[str, Any]:
+        reps = 2 if self.args.quick else 3
+        self.progress("both tools attached: starting slatrace")
+        sla = self.start("slatrace")
+        maps = bpfstats.process_maps(sla.pid)
+        self.progress(f"slatrace ready in {sla.ready_seconds:.2f} s; starting runqlat-bpfcc")
+        rq = self.start("runqlat")
+        self.progress(f"runqlat attached in {rq.ready_seconds:.2f} s")
+        time.sleep(SETTLE_S)
+        windows = []
+        totals: dict[str, dict[str, dict[str, Counter]]] = {}
+        for rep in range(reps):
+            results, deltas = self.measure([sla, rq])
+            for w, by_tool in deltas.items():
+                windows.append({"rep": rep, "workload": w, "result": results[w],
+                                **{t: counters_json(c) for t, c in by_tool.items()}})
+                for t, c in by_tool.items():
+                    totals.setdefault(w, {}).setdefault(t, {})
+                    totals[w][t] = bpfstats.add(totals[w][t], c)
+            s, r = (bpfstats.cost_summary(bpfstats.add(deltas["hackbench"][t], deltas["pipe"][t]))
+                    for t in ("slatrace", "runqlat"))
+            self.progress(f"both attached, repetition {rep + 1}/{reps}: hackbench {results['hackbench']:.3f} s, "
+                          f"pipe {results['pipe']:.2f} us/op; ns/event slatrace {report._ns(s['event_ns'])}, "
+                          f"runqlat {report._ns(r['event_ns'])}")
+        self.stop(rq)
+        self.stop(sla)
+        time.sleep(SETTLE_S)
+        return {"reps": reps, "windows": windows, "summary": summarize(totals), "maps": maps}
+
+    def one_config(self, config: str, rnd: int) -> dict[str, Any]:
+        rec: dict[str, Any] = {"round": rnd, "config": config}
+        tool = None
+        if config != "none":
+            tool = self.start(config)
+            rec["ready_s"] = tool.ready_seconds
+            if isinstance(tool, Slatrace):
+                rec["attach_s"] = tool.attach_seconds()
+            time.sleep(SETTLE_S)
+            cpu0 = tool.cpu_seconds()
+        results, deltas = self.measure([tool] if tool else [])
+        rec["workloads"] = results
+        if tool:
+            rec["cpu_s"] = tool.cpu_seconds() - cpu0
+            rec["counters"] = {w: counters_json(by_tool[config]) for w, by_tool in deltas.items()}
+            rec["_deltas"] = {w: by_tool[config] for w, by_tool in deltas.items()}
+            if isinstance(tool, Slatrace):
+                rec["rss_bytes"], rec["uss_bytes"] = tool.memory()
+                rec["poll_s"] = tool.metric("slatrace_poll_duration_seconds")
+            self.stop(tool)
+            time.sleep(SETTLE_S)
+        msg = f"hackbench {results['hackbench']:.3f} s, pipe {results['pipe']:.2f} us/op"
+        if tool:
+            msg = f"ready in {rec['ready_s']:.2f} s; " + msg
+        if "rss_bytes" in rec:
+            msg += f"; RSS {rec['rss_bytes'] / mapmem.MIB:.0f} MiB, poll {rec['poll_s'] * 1e3:.1f} ms" \
+                if rec["poll_s"] is not None else f"; RSS {rec['rss_bytes'] / mapmem.MIB:.0f} MiB"
+        self.progress(f"round {rnd + 1}/{self.args.rounds} {config:8s}: {msg}")
+        return rec
+
+    def rounds(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        longest = 0.0
+        for rnd in range(self.args.rounds):
+            if out and self.progress.elapsed() + longest > self.args.budget:
+                self.notes.append(f"stopped after {rnd} of {self.args.rounds} rounds to stay within the "
+                                  f"{self.args.budget:.0f} s budget (--budget)")
+                self.progress(self.notes[-1])
+                break
+            t0 = time.monotonic()
+            order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+            for config in order:
+                out.append(self.one_config(config, rnd))
+            longest = max(longest, time.monotonic() - t0)
+        return out
+
+
+def summarize(totals: dict[str, dict[str, dict[str, Counter]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Cost per workload and over all workloads, per tool, from summed deltas
+    (sums, not a mean of ratios, so a short window weighs what it measured)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    overall: dict[str, dict[str, Counter]] = {}
+    for w, by_tool in totals.items():
+        out[w] = {}
+        for t, c in by_tool.items():
+            out[w][t] = bpfstats.cost_summary(c)
+            overall[t] = bpfstats.add(overall.get(t, {}), c)
+    out["all"] = {t: bpfstats.cost_summary(c) for t, c in overall.items()}
+    return out
+
+
+def throughput(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for config in CONFIGS:
+        out[config] = {}
+        for w in ("hackbench", "pipe"):
+            out[config][w] = spread([r["workloads"][w] for r in records if r["config"] == config])
+    for config in CONFIGS:
+        for w in ("hackbench", "pipe"):
+            base, med = out["none"][w]["median"], out[config][w]["median"]
+            out[config][w]["ratio"] = med / base if base and med is not None else None
+    return out
+
+
+def memory(maps: list[mapmem.MapInfo], cpus_here: int) -> dict[str, Any]:
+    rows = []
+    for m in maps:
+        rows.append({"name": m.name, "type": m.type, "max_entries": m.max_entries, "key_size": m.key_size,
+                     "value_size": m.value_size, "memlock": m.memlock,
+                     "bytes_here": mapmem.map_bytes(m, cpus_here), "bytes_64": mapmem.map_bytes(m, 64)})
+    return {"maps": rows, "cpus_here": cpus_here,
+            "bytes_here": sum(r["bytes_here"] for r in rows), "memlock_here": sum(r["memlock"] for r in rows),
+            "bytes_64": sum(r["bytes_64"] for r in rows), "limit_64": MEMORY_LIMIT_64}
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    s = res["together"]["summary"].get("all", {})
+    ratio = None
+    if s.get("slatrace", {}).get("event_ns") and s.get("runqlat", {}).get("event_ns"):
+        ratio = s["slatrace"]["event_ns"] / s["runqlat"]["event_ns"]
+    out.append({"name": "in-kernel cost per scheduler event, slatrace / runqlat (both attached)",
+                "measured": report._ratio(ratio), "limit": f"≤ {COST_RATIO_LIMIT}x", "value": ratio,
+                "pass": None if ratio is None else ratio <= COST_RATIO_LIMIT})
+    worst = None
+    for w, by_tool in res["together"]["summary"].items():
+        sl, rq = by_tool.get("slatrace", {}).get("event_ns"), by_tool.get("runqlat", {}).get("event_ns")
+        if w != "all" and sl and rq and (worst is None or sl / rq > worst[1]):
+            worst = (w, sl / rq)
+    out.append({"name": "same, on the worst single workload" + (f" ({worst[0]})" if worst else ""),
+                "measured": report._ratio(worst[1] if worst else None), "limit": f"≤ {COST_RATIO_LIMIT}x",
+                "value": worst[1] if worst else None,
+                "pass": None if worst is None else worst[1] <= COST_RATIO_LIMIT})
+    ready = res["slatrace"]["ready_s"]["median"]
+    out.append({"name": "slatrace start-up to ready (median)", "measured": report._num(ready, "{:.2f} s"),
+                "limit": f"≤ {STARTUP_LIMIT_S:.0f} s", "value": ready,
+                "pass": None if ready is None else ready <= STARTUP_LIMIT_S})
+    mem = res["memory"].get("bytes_64")
+    out.append({"name": "BPF map memory on a 64-CPU host (formula)",
+                "measured": report._num(mem / mapmem.MIB if mem else None, "{:.1f} MiB"),
+                "limit": "≤ 64 MiB", "value": mem, "pass": None if not mem else mem <= MEMORY_LIMIT_64})
+    return out
+
+
+def run(args: argparse.Namespace, argv: list[str], progress: Progress) -> dict[str, Any]:
+    stats = BpfStatsSwitch()
+    logdir = Path(tempfile.mkdtemp(prefix="slatrace-bench-"))
+    bench = Bench(args, stats, logdir, progress)
+    res: dict[str, Any] = {"machine": machine(argv)}
+    ok = False
+    stats.enable()
+    try:
+        progress(f"kernel.bpf_stats_enabled=1 (was {stats.previous}); {args.rounds} rounds, "
+                 f"workloads: {' '.join(bench.workloads[0].cmd)} | {' '.join(bench.workloads[1].cmd)}")
+        bench.warm_up()
+        together = bench.together()
+        records = bench.rounds()
+        ok = True
+    finally:
+        bench.stop_all()
+        stats.restore()
+        if ok:
+            shutil.rmtree(logdir, ignore_errors=True)
+        else:
+            print(f"bench: the tools' logs are kept in {logdir}", file=sys.stderr)
+    progress("kernel.bpf_stats_enabled restored; no tool left running")
+
+    alone: dict[str, dict[str, dict[str, Counter]]] = {}
+    for r in records:
+        for w, c in r.pop("_deltas", {}).items():
+            alone.setdefault(w, {}).setdefault(r["config"], {})
+            alone[w][r["config"]] = bpfstats.add(alone[w][r["config"]], c)
+    sla = [r for r in records if r["config"] == "slatrace"]
+    rq = [r for r in records if r["config"] == "runqlat"]
+    res.update({
+        "settings": {"rounds": args.rounds, "rounds_done": len({r["round"] for r in records}), "quick": args.quick,
+                     "together_reps": together["reps"], "order": "rotated each round: " + ", ".join(CONFIGS),
+                     "hackbench": " ".join(bench.workloads[0].cmd), "pipe": " ".join(bench.workloads[1].cmd)},
+        "bpf_stats": {"previous": stats.previous, "reasserted": stats.reasserted},
+        "together": {"reps": together["reps"], "windows": together["windows"], "summary": together["summary"]},
+        "alone": {"summary": summarize(alone)},
+        "rounds": records,
+        "throughput": throughput(records),
+        "slatrace": {k: spread([r.get(k) for r in sla]) for k in ("ready_s", "attach_s", "rss_bytes", "uss_bytes",
+                                                                   "poll_s", "cpu_s")},
+        "runqlat": {k: spread([r.get(k) for r in rq]) for k in ("ready_s", "cpu_s")},
+        "memory": memory(together["maps"], res["machine"]["possible_cpus"]),
+        "notes": bench.notes + ([f"kernel.bpf_stats_enabled was turned off {stats.reasserted} time(s) during the "
+                                 "run by another process and turned back on"] if stats.reasserted else []),
+        "elapsed_s": progress.elapsed(),
+    })
+    res["targets"] = targets(res)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    preflight()
+    progress = Progress()
+
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally that stops the tools
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        res = run(args, argv, progress)
+    except KeyboardInterrupt:
+        print("bench: interrupted; tools stopped, kernel.bpf_stats_enabled restored", file=sys.stderr)
+        return 130
+    except RuntimeError as e:  # a tool or workload failed: one message, the cleanup already ran
+        print(f"bench: {e}", file=sys.stderr)
+        return 1
+
+    out_dir = ROOT / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = out_dir / f"bench-{stamp}.json"
+    path.write_text(json.dumps(res, indent=2, sort_keys=False) + "\n")
+    md = report.render(res)
+    print()
+    print(md)
+    print(f"raw results: {path.relative_to(ROOT)}")
+    if args.write_md:
+        report.update_markdown(ROOT / "BENCHMARKS.md", md)
+        print("BENCHMARKS.md updated")
+    missed = [t["name"] for t in res["targets"] if t["pass"] is False]
+    if missed:
+        print("targets missed: " + "; ".join(missed))
+    return 1 if missed and args.check_targets else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
