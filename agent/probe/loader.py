@@ -19,6 +19,7 @@ from agent.probe.layout import ERROR_MAPS, MAP_TYPES, SchedEvent as RawEvent
 from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats, SchedEvent
 
 BATCH = 512
+ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,10 @@ class Probe:
             if res != 0:
                 if err == errno.ENOENT:
                     break
+                if first and err in (errno.EINVAL, ENOTSUPP):
+                    # Kernels before 5.6 have no batch lookup: one key at a time.
+                    yield from self._bpf[name.encode()].items()
+                    return
                 raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
             first = False
             in_batch.value = out_batch.value
