@@ -154,3 +154,53 @@ def test_overview_covers_the_questions_it_must_answer() -> None:
         assert needle in exprs, needle
     requests = " ".join(t["expr"] for _, t in _targets(_load(REPO / "dashboards" / "slatrace-requests.json")))
     assert "slatrace_request_sched_delay_seconds_bucket" in requests
+
+
+# Alert rules: the PrometheusRule is generated from the plain rule file, and
+# every alert carries a summary and a runbook link that resolves.
+
+RULES = REPO / "deploy" / "rules" / "slatrace.rules.yaml"
+
+
+def _github_anchors(markdown: str) -> set[str]:
+    anchors = set()
+    for m in re.finditer(r"^#+\s+(.+)$", markdown, re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def test_prometheus_rule_is_generated_from_the_rule_file() -> None:
+    import yaml
+
+    path = REPO / "scripts" / "gen-prometheus-rule.py"
+    spec = importlib.util.spec_from_file_location("gen_prometheus_rule", path)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    committed = (REPO / "deploy" / "prometheus-rules.yaml").read_text()
+    assert committed == gen.render(RULES.read_text()), "run scripts/gen-prometheus-rule.py"
+    doc = yaml.safe_load(committed)
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "PrometheusRule"
+    assert doc["spec"] == yaml.safe_load(RULES.read_text())
+
+
+def test_every_alert_has_a_summary_and_a_runbook_section() -> None:
+    import yaml
+
+    anchors = _github_anchors((REPO / "docs" / "runbook.md").read_text())
+    exposed, _ = _exposed_names()
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    records = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    alerts = [r for g in groups for r in g["rules"] if "alert" in r]
+    assert {a["alert"] for a in alerts} >= {"SlatraceSLOBreached", "SlatraceSLOBurnRateFast",
+                                            "SlatraceNeighbourContention", "SlatraceAgentDown",
+                                            "SlatraceBPFMapErrors"}
+    for a in alerts:
+        ann = a["annotations"]
+        assert ann["summary"], a["alert"]
+        page, _, anchor = ann["runbook_url"].partition("#")
+        assert page == "docs/runbook.md" and anchor == a["alert"].lower() and anchor in anchors, a["alert"]
+        assert a["labels"]["severity"] in ("warning", "critical")
+    for r in (r for g in groups for r in g["rules"]):
+        names = metric_names(r["expr"])
+        assert names <= exposed | records | {"up"}, (names - exposed - records, r["expr"])
