@@ -37,6 +37,7 @@ __all__ = [
     "SloResult",
     "attribution",
     "blame",
+    "blame_from_totals",
     "judge_slos",
     "service_record",
     "verdict",
@@ -153,9 +154,20 @@ _CAUSE_OF_KIND = {
 
 def blame(service: str, figures: Any, throttled_seconds: float = 0.0) -> dict:
     """The measured split of `service`'s delay over a window (see the module doc)."""
-    wait = figures.runq.sum_seconds
-    iowait = figures.iowait.sum_seconds
-    preempted = {name: p.wait_ns / 1e9 for name, p in figures.preempted_by.items()}
+    return blame_from_totals(
+        service,
+        runq_wait=figures.runq.sum_seconds,
+        iowait=figures.iowait.sum_seconds,
+        preempted={name: p.wait_ns / 1e9 for name, p in figures.preempted_by.items()},
+        throttled_seconds=throttled_seconds,
+    )
+
+
+def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: Mapping[str, float],
+                      throttled_seconds: float = 0.0) -> dict:
+    """blame() on plain totals, so figures read back from Prometheus are split
+    by exactly the same rule as the agent's own."""
+    wait = runq_wait
     raw_total = sum(preempted.values())
     # Pair waits and the histogram sum come from the same switch-ins, but a
     # map update can fail on one side only: never let the parts exceed the whole.

@@ -52,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     attr = sub.add_parser("attribution", help="per-service run-queue percentiles and who is to blame")
     attr.add_argument("service", nargs="?", help="one service (default: all)")
     attr.add_argument("--since", type=float, default=60.0, metavar="SECONDS", help="window (default %(default)s)")
+    attr.add_argument("--prometheus", metavar="URL",
+                      help="answer for every agent Prometheus scrapes, from that Prometheus server")
     _client_flags(attr)
+
+    top = sub.add_parser("top", help="live per-service table: P99, top culprit, throttling, SLO status")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.add_argument("--sort", default="p99", metavar="FIELD",
+                     help="p99 (default), p95, p50, wait, runs, preemptions, throttled, iowait, migrations, service")
+    top.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                     help="refresh every SECONDS (default %(default)s)")
+    top.add_argument("--since", type=float, default=10.0, metavar="SECONDS",
+                     help="figures over the last SECONDS (default %(default)s)")
+    top.add_argument("--agent", default=DEFAULT_AGENT, metavar="URL", help="agent address (default %(default)s)")
     add_request_commands(sub, _client_flags)
     return p
 
@@ -115,15 +127,23 @@ def cmd_services(args: argparse.Namespace) -> int:
 
 
 def cmd_attribution(args: argparse.Namespace) -> int:
+    from agent.cli.attribution_view import print_attribution  # noqa: PLC0415
     from agent.cli.client import get  # noqa: PLC0415
-    from agent.cli.render import print_attribution  # noqa: PLC0415
 
     if not args.since > 0:
         raise CliError(f"--since {args.since} must be a positive number of seconds")
-    params = {"since": args.since}
-    if args.service:
-        params["service"] = args.service
-    doc = get(args.agent, "/api/v1/attribution", params)
+    if args.prometheus:
+        from agent.cli.prometheus_query import PrometheusError, PrometheusQuery, fleet_attribution  # noqa: PLC0415
+
+        try:
+            doc = fleet_attribution(PrometheusQuery(args.prometheus), args.since, service=args.service)
+        except PrometheusError as e:
+            raise CliError(str(e)) from None
+    else:
+        params = {"since": args.since}
+        if args.service:
+            params["service"] = args.service
+        doc = get(args.agent, "/api/v1/attribution", params)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -131,7 +151,21 @@ def cmd_attribution(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from agent.cli.client import get  # noqa: PLC0415
+    from agent.cli.top import SORT_FIELDS, run_top  # noqa: PLC0415
+
+    if args.sort not in SORT_FIELDS:
+        raise CliError(f"--sort {args.sort!r} is not a field; use one of {', '.join(SORT_FIELDS)}")
+    for flag, value in (("--interval", args.interval), ("--since", args.since)):
+        if not value > 0:
+            raise CliError(f"{flag} {value} must be a positive number of seconds")
+    return run_top(lambda since: get(args.agent, "/api/v1/attribution", {"since": since}), agent=args.agent,
+                   sort=args.sort, interval=args.interval, since=args.since, once=args.once)
+
+
 COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attribution": cmd_attribution,
+            "top": cmd_top,
             **REQUEST_COMMANDS}
 
 

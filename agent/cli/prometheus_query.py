@@ -1,0 +1,141 @@
+"""`slatrace attribution --prometheus URL`: the attribution records for a whole
+fleet, rebuilt from what Prometheus scraped from every agent.
+
+Quantiles are `histogram_quantile` over the buckets summed across agents;
+counts and seconds are `increase` of the counters over the window. Blame and
+verdicts are computed by the agent's own rule (attribution.blame_from_totals),
+so the two answers differ only by what Prometheus stores: the classic bucket
+bounds (about 1.4x apart) and the scrape grid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+
+from agent.attribution.attribution import blame_from_totals, verdict
+
+__all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution"]
+
+
+class PrometheusError(Exception):
+    """One sentence: Prometheus could not be asked or did not answer."""
+
+
+class PrometheusQuery:
+    """Instant queries against the Prometheus HTTP API (/api/v1/query)."""
+
+    def __init__(self, url: str, timeout: float = 10.0, clock: Callable[[], float] = time.time) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._clock = clock
+
+    def vector(self, expr: str, at: float) -> list[tuple[dict[str, str], float]]:
+        query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+        url = f"{self.url}/api/v1/query?{query}"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout) as resp:
+                doc = json.load(resp)
+        except urllib.error.HTTPError as e:
+            try:
+                detail = json.load(e).get("error", e.reason)
+            except ValueError:
+                detail = e.reason
+            raise PrometheusError(f"Prometheus at {self.url} refused the query ({e.code}: {detail})") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise PrometheusError(f"cannot reach Prometheus at {self.url} ({getattr(e, 'reason', e)}); "
+                                  "check the --prometheus URL") from None
+        except ValueError:
+            raise PrometheusError(f"Prometheus at {self.url} did not answer JSON; is it a Prometheus server?") \
+                from None
+        if doc.get("status") != "success" or doc.get("data", {}).get("resultType") != "vector":
+            raise PrometheusError(f"Prometheus at {self.url} answered {doc.get('error') or doc.get('status')}")
+        out = []
+        for item in doc["data"]["result"]:
+            value = float(item["value"][1])
+            if not math.isnan(value):
+                out.append((item["metric"], value))
+        return out
+
+
+def _by_service(rows: list[tuple[dict[str, str], float]]) -> dict[str, float]:
+    return {labels.get("service", ""): v for labels, v in rows}
+
+
+def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = None,
+                      service: str | None = None) -> dict:
+    """The /api/v1/attribution document (same shape, `source: prometheus`)
+    for the `since` seconds before `at`, summed over every scraped agent."""
+    at = prom._clock() if at is None else at
+    rng = f"[{max(1, round(since))}s]"
+    sel = f'{{service="{service}"}}' if service else ""
+
+    def inc(metric: str, by: str = "service") -> list[tuple[dict[str, str], float]]:
+        return prom.vector(f"sum by ({by}) (increase({metric}{sel}{rng}))", at)
+
+    def quantile(metric: str, q: float) -> dict[str, float]:
+        return _by_service(prom.vector(
+            f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))", at))
+
+    count = _by_service(inc("slatrace_runq_latency_seconds_count"))
+    wait = _by_service(inc("slatrace_runq_latency_seconds_sum"))
+    qs = {q: quantile("slatrace_runq_latency_seconds", q) for q in (0.5, 0.95, 0.99)}
+    io_count = _by_service(inc("slatrace_iowait_seconds_count"))
+    io_sum = _by_service(inc("slatrace_iowait_seconds_sum"))
+    io_p99 = quantile("slatrace_iowait_seconds", 0.99)
+    migrations = _by_service(inc("slatrace_migrations_total"))
+    throttled = _by_service(inc("slatrace_cpu_throttled_seconds_total"))
+    pre_count: dict[str, dict[str, float]] = {}
+    pre_wait: dict[str, dict[str, float]] = {}
+    for target, metric in ((pre_count, "slatrace_preemptions_total"),
+                           (pre_wait, "slatrace_preempted_wait_seconds_total")):
+        for labels, v in inc(metric, "service, by_service"):
+            target.setdefault(labels.get("service", ""), {})[labels.get("by_service", "")] = v
+    targets = {(labels.get("service", ""), labels.get("slo", "")): v
+               for labels, v in prom.vector(f"max by (service, slo) (slatrace_slo_target_seconds{sel})", at)}
+    breaches = {(labels.get("service", ""), labels.get("slo", "")): v
+                for labels, v in inc("slatrace_slo_breaches_total", "service, slo")}
+
+    records = []
+    for name in sorted(set(count) | set(io_count)):
+        if not count.get(name) and not io_count.get(name):
+            continue  # nothing happened to it in the window
+        by = sorted(pre_wait.get(name, {}).items(), key=lambda kv: kv[1], reverse=True)
+        runq = {"count": round(count.get(name, 0.0)), "wait_seconds": wait.get(name, 0.0),
+                "p50": qs[0.5].get(name), "p95": qs[0.95].get(name), "p99": qs[0.99].get(name)}
+        slo = []
+        for (svc, slo_name), target in sorted(targets.items()):
+            if svc != name:
+                continue
+            value = {"runq_p99": runq["p99"], "runq_p95": runq["p95"], "iowait_p99": io_p99.get(name)}.get(slo_name)
+            if slo_name not in ("runq_p99", "runq_p95", "iowait_p99"):
+                continue
+            slo.append({"name": slo_name, "target": target, "value": value,
+                        "ok": value is None or value <= target,
+                        "intervals_breached": round(breaches.get((name, slo_name), 0.0))})
+        record = {
+            "service": name, "start": at - since, "end": at, "source": "prometheus",
+            "runq": runq,
+            "preemption": {
+                "count": round(sum(pre_count.get(name, {}).values())),
+                "wait_seconds": sum(w for _, w in by),
+                "by": [{"service": b, "count": round(pre_count.get(name, {}).get(b, 0.0)), "wait_seconds": w}
+                       for b, w in by],
+            },
+            "iowait": {"count": round(io_count.get(name, 0.0)), "seconds": io_sum.get(name, 0.0),
+                       "p99": io_p99.get(name)},
+            "migrations": round(migrations.get(name, 0.0)),
+            "throttled_seconds": throttled.get(name, 0.0),
+            "slo": slo,
+            "blame": blame_from_totals(name, wait.get(name, 0.0), io_sum.get(name, 0.0), dict(by),
+                                       throttled.get(name, 0.0)),
+        }
+        record["verdict"] = verdict(record)
+        records.append(record)
+    records.sort(key=lambda r: r["runq"]["p99"] or 0.0, reverse=True)
+    return {"attribution": records}
