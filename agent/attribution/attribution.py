@@ -183,7 +183,7 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
 
     culprits = sorted(
         ({"service": name, "kind": _culprit_kind(service, name), "seconds": s * keep,
-          "share": share(s * keep)} for name, s in preempted.items() if s > 0),
+          "share": share(s * keep)} for name, s in preempted.items() if s * keep > 0),
         key=lambda c: c["seconds"], reverse=True,
     )
     shares = [{"cause": "preemption", **c} for c in culprits]
