@@ -1,0 +1,94 @@
+"""Workloads shared by the blame, CLI and Prometheus tests: real cgroups on
+this machine, each one a service of its own.
+
+- contention: a victim that computes in 20 ms bursts between 1 ms sleeps, beside
+  "heavy" (four busy loops at nice 0) and "light" (one busy loop at nice 3,
+  about half the weight of one heavy loop). The victim's measured preemption
+  waits must rank heavy first, light second, both present.
+- quota: one busy loop under its own CPU quota (cgroup v2 cpu.max where the cpu
+  controller is on v2, else the v1 cpu hierarchy's cpu.cfs_quota_us).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent.throttle import find_cpu_hierarchy
+from tests.support.workload import TestCgroup, hog_argv, victim_argv
+
+HEAVY_HOGS = 4
+LIGHT_NICE = 3
+
+
+@dataclass
+class Contention:
+    heavy: TestCgroup
+    light: TestCgroup
+    victim: TestCgroup
+    victim_pid: int
+
+
+@contextlib.contextmanager
+def contention(seconds: float, heavy_hogs: int = HEAVY_HOGS) -> Iterator[Contention]:
+    with TestCgroup("heavy") as heavy, TestCgroup("light") as light, TestCgroup("victim") as victim:
+        for _ in range(heavy_hogs):
+            heavy.spawn(hog_argv())
+        light.spawn(["nice", "-n", str(LIGHT_NICE)] + hog_argv())
+        p = victim.spawn(victim_argv(seconds, sleep_ms=1.0, work_ms=20.0))
+        yield Contention(heavy, light, victim, p.pid)
+
+
+@dataclass
+class QuotaCgroup:
+    """Where the quota lives and how to read the kernel's own throttled time."""
+
+    version: int
+    directory: Path      # the cgroup holding the quota
+    wrap: list[str]      # argv prefix that moves the program into it first (v1)
+
+    def throttled_seconds(self) -> float:
+        stat = dict(line.split() for line in (self.directory / "cpu.stat").read_text().splitlines())
+        if self.version == 2:
+            return int(stat["throttled_usec"]) / 1e6
+        return int(stat["throttled_time"]) / 1e9
+
+
+@contextlib.contextmanager
+def quota(service: TestCgroup, percent: int) -> Iterator[QuotaCgroup]:
+    """A CPU quota of `percent` of one CPU (100 ms period) for `service`."""
+    hierarchy = find_cpu_hierarchy(Path("/proc/mounts").read_text())
+    if hierarchy is None:
+        raise RuntimeError("no cpu controller on this host (neither cgroup v2 nor a v1 cpu hierarchy)")
+    quota_us = 1000 * percent
+    if hierarchy.version == 2:
+        root_control = service.mount / "cgroup.subtree_control"
+        if "cpu" not in root_control.read_text().split():
+            root_control.write_text("+cpu")
+        (service.dir / "cpu.max").write_text(f"{quota_us} 100000")
+        yield QuotaCgroup(2, service.dir, [])
+        return
+    directory = hierarchy.root / f"slatrace-test-quota-{secrets.token_hex(3)}"
+    directory.mkdir()
+    try:
+        (directory / "cpu.cfs_period_us").write_text("100000")
+        (directory / "cpu.cfs_quota_us").write_text(str(quota_us))
+        wrap = ["/bin/sh", "-c", f'echo $$ > {directory}/cgroup.procs && exec "$@"', "sh"]
+        yield QuotaCgroup(1, directory, wrap)
+    finally:
+        # The test's own cgroup kills the processes; the v1 group is ours to remove.
+        with contextlib.suppress(OSError):
+            for pid in (directory / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    import os
+                    os.kill(int(pid), 9)
+        import time
+        for _ in range(100):
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
