@@ -1,0 +1,59 @@
+"""A service under its own CPU quota: throttled_seconds against the kernel's
+own cpu.stat, and a verdict that names throttling, not a neighbour."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.scenes import quota
+from tests.support import kernel_unavailable, require_kernel
+from tests.support.agent import Agent, http_get
+from tests.support.workload import TestCgroup, hog_argv
+
+pytestmark = pytest.mark.e2e
+
+SECONDS = 3.0
+PERCENT = 20
+
+
+@pytest.fixture(scope="module")
+def throttled():
+    reason = kernel_unavailable()
+    if reason:
+        require_kernel(reason)
+    with Agent(interval=0.5) as agent, TestCgroup("quota") as svc, quota(svc, PERCENT) as q:
+        p = svc.spawn(q.wrap + hog_argv())
+        time.sleep(SECONDS)
+        p.kill()
+        p.wait()
+        kernel = q.throttled_seconds()  # final: nothing runs there any more
+        time.sleep(1.5)  # a few more intervals read the final value
+        rec = agent.get_json(f"/api/v1/attribution?since=120&service={svc.path}")["attribution"]
+        _, body = http_get(agent.url + "/metrics")
+        yield svc, q, kernel, rec, body.decode()
+
+
+def test_throttled_seconds_match_the_kernel(throttled) -> None:
+    svc, q, kernel, rec, _ = throttled
+    # 20% of one CPU for 3 s: about 80% of the time throttled.
+    assert kernel > 0.5 * SECONDS * (1 - PERCENT / 100)
+    (r,) = rec
+    assert r["throttled_seconds"] == pytest.approx(kernel, rel=0.05), (r["throttled_seconds"], kernel, q.version)
+
+
+def test_prometheus_counter_matches_the_kernel(throttled) -> None:
+    svc, _, kernel, _, text = throttled
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["slatrace_cpu_throttled_seconds"]
+    value = next(s.value for s in fam.samples if s.labels["service"] == svc.path)
+    assert value == pytest.approx(kernel, rel=0.05)
+
+
+def test_verdict_names_throttling_not_a_neighbour(throttled) -> None:
+    _, _, _, rec, _ = throttled
+    (r,) = rec
+    assert r["blame"]["cause"] == "own_quota", r["blame"]
+    assert r["blame"]["kinds"]["own_quota"]["share"] > 0.5
+    assert "own CPU quota" in r["verdict"] and "delayed by its neighbours" not in r["verdict"]
