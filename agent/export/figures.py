@@ -104,8 +104,10 @@ class Sources:
     """What the store does not hold; each hook returns cumulative figures.
 
     throttled_seconds: service -> seconds its cgroups were throttled (cpu.stat).
-    slo_breaches: (service, slo name) -> intervals or requests that broke it.
-    request_sched_delay: service -> histogram of per-request run-queue wait.
+    slo_breaches: (service, slo name) -> intervals or requests that broke it;
+      several sources (interval and request SLOs) combine with summed().
+    request_sched_delay: service -> per-request run-queue wait, as a log-linear
+      Histogram or already bucketed on classic_bounds() (a HistogramPoint).
     agent_stats: self-metrics of the daemon's loop, by metric name
       (slatrace_poll_duration_seconds, slatrace_poll_errors).
     """
@@ -113,7 +115,7 @@ class Sources:
     slos: tuple[Slo, ...] = ()
     throttled_seconds: Callable[[], Mapping[str, float]] | None = None
     slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
-    request_sched_delay: Callable[[], Mapping[str, Histogram]] | None = None
+    request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
     agent_stats: Callable[[], Mapping[str, float]] | None = None
 
 
@@ -193,6 +195,19 @@ CATALOG: tuple[MetricSpec, ...] = (
 AGENT_STATS = {POLL_DURATION.name: POLL_DURATION, POLL_ERRORS.name: POLL_ERRORS}
 
 
+def summed(*hooks: Callable[[], Mapping[tuple[str, str], int]]) -> Callable[[], dict[tuple[str, str], int]]:
+    """One breach hook from several: each metric name must come from one
+    family, so interval and request SLO breaches are added up here rather than
+    exported by two collectors."""
+    def total() -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for hook in hooks:
+            for key, n in hook().items():
+                out[key] = out.get(key, 0) + n
+        return out
+    return total
+
+
 def histogram_point(labels: tuple[str, ...], hist: Histogram,
                     bounds: tuple[float, ...] | None = None) -> HistogramPoint:
     """Classic buckets of a log-linear histogram. The bounds sit on slot
@@ -249,7 +264,12 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
             points[SLO_BREACHES.name].append(Point((s, slo), n))
     if sources.request_sched_delay is not None:
         for s, h in sorted(sources.request_sched_delay().items()):
-            points[REQUEST_SCHED_DELAY.name].append(histogram_point((s,), h, bounds))
+            if isinstance(h, HistogramPoint):
+                if h.bounds != bounds:
+                    raise ValueError(f"request delay histogram of {s!r} is not bucketed on classic_bounds()")
+                points[REQUEST_SCHED_DELAY.name].append(HistogramPoint((s,), h.bounds, h.cumulative, h.sum))
+            else:
+                points[REQUEST_SCHED_DELAY.name].append(histogram_point((s,), h, bounds))
 
     for name, st in sorted(store.programs().items()):
         points[BPF_EVENTS.name].append(Point((name,), st.run_cnt))

@@ -318,3 +318,23 @@ def _load_script(name: str):
 def test_metrics_doc_is_generated_from_the_code() -> None:
     gen = _load_script("gen-metrics-doc.py")
     assert gen.DOC.read_text() == gen.render(), "docs/metrics.md is stale: run scripts/gen-metrics-doc.py"
+
+
+def test_breach_sources_add_up_and_bucketed_delays_pass_through() -> None:
+    intervals = {("api", "runq_p99"): 3}
+    requests = {("api", "request_e2e_p99"): 2, ("api", "runq_p99"): 1}
+    assert figures.summed(lambda: intervals, lambda: requests)() == {
+        ("api", "runq_p99"): 4, ("api", "request_e2e_p99"): 2}
+    store = Store(retention_s=900, clock=lambda: 100.0)
+    bounds = classic_bounds()
+    # 3 requests: 20 µs, 20 µs, 2 ms, bucketed elsewhere on the same bounds.
+    cumulative = tuple(sum(1 for v in (20e-6, 20e-6, 2e-3) if v < b) for b in bounds) + (3,)
+    sources = Sources(request_sched_delay=lambda: {"api": figures.HistogramPoint(("ignored",), bounds,
+                                                                                   cumulative, 0.00204)})
+    fams = _scrape(SlatraceCollector(store, sources=sources))
+    buckets = _samples(fams, "slatrace_request_sched_delay_seconds", "_bucket")
+    assert buckets[(("le", "3.2768e-05"), ("service", "api"))] == 2
+    assert buckets[(("le", "+Inf"), ("service", "api"))] == 3
+    wrong = Sources(request_sched_delay=lambda: {"api": figures.HistogramPoint((), (0.1,), (1, 1), 0.05)})
+    with pytest.raises(ValueError):
+        _scrape(SlatraceCollector(store, sources=wrong))
