@@ -26,6 +26,7 @@ __all__ = ["HttpReceiver", "TRACES_PATH"]
 log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
+DRAIN_LIMIT = 64 << 20  # bytes of an oversized body read (and dropped) before answering 413
 _REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported"}
 _GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13}  # google.rpc.Code
 
@@ -47,7 +48,11 @@ def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Li
                 return self._refuse(411, "a Content-Length header is required", wants_json)
             size = int(length)
             if size > limits.max_body_bytes:
-                # Unread body: the connection cannot be reused.
+                # Read and discard a moderately oversized body so the client, still
+                # sending, gets the 413 rather than a broken pipe; a huge one is not
+                # worth the bandwidth and the connection is closed on it.
+                if size <= DRAIN_LIMIT:
+                    self._discard(size)
                 self.close_connection = True
                 return self._refuse(413, f"the body has {size} bytes, more than the limit of "
                                          f"{limits.max_body_bytes}; send smaller batches", wants_json)
@@ -70,6 +75,13 @@ def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Li
 
         def do_GET(self) -> None:  # noqa: N802
             self._status(405, f"only POST {TRACES_PATH} is served here", True)
+
+        def _discard(self, size: int) -> None:
+            while size > 0:
+                chunk = self.rfile.read(min(size, 1 << 16))
+                if not chunk:
+                    return
+                size -= len(chunk)
 
         def _drain_or_close(self) -> None:
             length = self.headers.get("Content-Length")
