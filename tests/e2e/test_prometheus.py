@@ -33,16 +33,11 @@ WORKLOAD_S = 8.0
 PREFIX = "slatrace-e2e-"
 VICTIM, HOGS, IO = PREFIX + "victim", PREFIX + "hogs", PREFIX + "io"
 
-# Metrics whose figures other parts of the agent supply through
-# agent.export.figures.Sources hooks the daemon does not fill in yet. While such
-# a metric is absent from /metrics its panels may be empty; once it appears,
-# its panels are checked like all others.
+# A metric that cannot have data on some hosts, and why. Throttling needs the
+# cpu controller in the test cgroups' v2 hierarchy (hybrid hosts keep it on
+# v1); where it is there, the hogs get a CPU quota and the panel must show it.
 PENDING = {
-    "slatrace_cpu_throttled_seconds_total": "cgroup cpu.stat throttling source",
-    "slatrace_slo_breaches_total": "SLO breach counter",
-    "slatrace_slo_ok": "config SLOs passed to the collector",
-    "slatrace_slo_value_seconds": "config SLOs passed to the collector",
-    "slatrace_slo_target_seconds": "config SLOs passed to the collector",
+    "slatrace_cpu_throttled_seconds_total": "no cpu controller in the cgroup v2 hierarchy",
 }
 
 
@@ -98,6 +93,7 @@ def _start_prometheus(tmp: Path, target: str) -> Prometheus:
 class Run:
     agent: Agent
     prom: Prometheus
+    throttled: bool    # the hogs ran under a CPU quota
     instance: str
     at: float          # evaluation time: the last scrape after the workload
     metrics: str       # the agent's /metrics at that time
@@ -118,6 +114,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                          {"name": IO, "cgroup": io.path}],
             "slos": [{"service": VICTIM, "runq_p99": 0.0001}],
         }))
+        # 1.5 CPUs for the three hogs (still contending, also throttled) where the
+        # cpu controller is delegated to the test cgroups; never enabled here,
+        # as that would change the host.
+        throttled = "cpu" in (hogs.dir / "cgroup.controllers").read_text().split()
+        if throttled:
+            (hogs.dir / "cpu.max").write_text("150000 100000")
         with Agent(config=cfg, interval=0.5) as agent:
             instance = f"127.0.0.1:{agent.port}"
             prom = _start_prometheus(tmp, instance)
@@ -133,7 +135,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 at = time.time()
                 status, body = http_get(agent.url + "/metrics")
                 assert status == 200
-                yield Run(agent, prom, instance, at, body.decode())
+                yield Run(agent, prom, throttled, instance, at, body.decode())
             finally:
                 prom.proc.terminate()
                 try:
@@ -168,7 +170,7 @@ def test_dashboard_variables_find_the_agent_and_the_test_services(run: Run) -> N
 
 
 def test_every_overview_query_returns_series(run: Run) -> None:
-    pending = {name for name in PENDING if not re.search(rf"^{name}\b", run.metrics, re.M)}
+    pending = set() if run.throttled else set(PENDING)
     empty, skipped = [], []
     targets = _overview_targets()
     assert len(targets) >= 20
@@ -183,8 +185,9 @@ def test_every_overview_query_returns_series(run: Run) -> None:
         else:
             empty.append((title, query))
     assert not empty, f"panels without data: {empty}"
+    print("panels empty for lack of a pending metric:", skipped)
     # Only panels over not-yet-supplied metrics may be empty.
-    assert len(skipped) <= 5, skipped
+    assert len(skipped) <= 1, skipped
 
 
 def test_test_services_show_the_contention(run: Run) -> None:
