@@ -1,0 +1,122 @@
+"""`slatrace attribution --prometheus`: a real Prometheus (Debian's, started
+here on loopback with its own directory, scraping every second) scrapes a real
+agent; the fleet answer must agree with the agent's own for the same window
+within the resolution of the exported buckets."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from agent.cli.prometheus_query import PrometheusQuery, fleet_attribution
+from agent.store.histogram import classic_bounds
+from tests.e2e.scenes import contention
+from tests.support import kernel_unavailable, require_kernel
+from tests.support.agent import REPO, SLATRACE, Agent, free_port, http_get
+
+pytestmark = pytest.mark.e2e
+
+WINDOW = 5.0
+# Neighbouring classic bounds are at most this far apart: a quantile read from
+# them by linear interpolation stays within one bucket of the agent's.
+BUCKET_RATIO = max(b / a for a, b in zip(classic_bounds(), classic_bounds()[1:]))
+
+
+class Prometheus:
+    def __init__(self, target: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="slatrace-prom-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        (self.dir / "prometheus.yml").write_text(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"scrape_configs:\n  - job_name: slatrace\n    static_configs:\n      - targets: ['{target}']\n")
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Prometheus":
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={self.dir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.dir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+             "--log.level=warn"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def samples(self, expr: str) -> float:
+        try:
+            status, body = http_get(f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+        except OSError:  # not listening yet
+            return 0.0
+        if status != 200:
+            return 0.0
+        result = json.loads(body)["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+
+@pytest.fixture(scope="module")
+def both():
+    reason = kernel_unavailable()
+    if reason:
+        require_kernel(reason)
+    if shutil.which("prometheus") is None:
+        require_kernel("Debian's prometheus is not installed (make setup-test installs it)")
+    with Agent(interval=0.5) as agent, contention(WINDOW + 12, heavy_hogs=2) as c, \
+            Prometheus(f"127.0.0.1:{agent.port}") as prom:
+        deadline = time.monotonic() + 30
+        series = f'count_over_time(slatrace_runq_latency_seconds_count{{service="{c.victim.path}"}}[{WINDOW:g}s])'
+        while prom.samples(series) < WINDOW and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert prom.samples(series) >= WINDOW, "Prometheus did not scrape the agent"
+        # Both asked at the same instant about the same window, while the load is steady.
+        at = time.time()
+        ours = {r["service"]: r for r in agent.get_json(f"/api/v1/attribution?since={WINDOW:g}")["attribution"]}
+        fleet = {r["service"]: r for r in fleet_attribution(PrometheusQuery(prom.url), WINDOW, at)["attribution"]}
+        cli = subprocess.run(SLATRACE + ["attribution", c.victim.path, "--prometheus", prom.url, "--since",
+                                         f"{WINDOW:g}", "--json"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        yield c, ours, fleet, cli
+
+
+def test_quantiles_agree_within_bucket_resolution(both) -> None:
+    c, ours, fleet, _ = both
+    for cg in (c.victim, c.heavy):
+        a, p = ours[cg.path], fleet[cg.path]
+        for q in ("p50", "p95", "p99"):
+            assert a["runq"][q] and p["runq"][q], (cg.path, q)
+            ratio = p["runq"][q] / a["runq"][q]
+            assert 1 / (BUCKET_RATIO * 1.15) <= ratio <= BUCKET_RATIO * 1.15, (cg.path, q, a["runq"], p["runq"])
+
+
+def test_counters_agree(both) -> None:
+    c, ours, fleet, _ = both
+    for cg in (c.victim, c.heavy):
+        a, p = ours[cg.path], fleet[cg.path]
+        # Agent intervals (0.5 s) and scrapes (1 s) cut the window differently.
+        assert p["runq"]["count"] == pytest.approx(a["runq"]["count"], rel=0.3)
+        assert p["runq"]["wait_seconds"] == pytest.approx(a["runq"]["wait_seconds"], rel=0.3)
+    victim_a = [b["service"] for b in ours[c.victim.path]["preemption"]["by"]]
+    victim_p = [b["service"] for b in fleet[c.victim.path]["preemption"]["by"]]
+    assert c.heavy.path in victim_p
+    assert victim_p.index(c.heavy.path) <= victim_a.index(c.heavy.path) + 1
+
+
+def test_cli_prometheus_json(both) -> None:
+    c, _, _, cli = both
+    assert cli.returncode == 0, cli.stderr
+    (rec,) = json.loads(cli.stdout)["attribution"]
+    assert rec["service"] == c.victim.path and rec["source"] == "prometheus"
+    assert rec["verdict"].startswith(c.victim.path)
