@@ -114,7 +114,7 @@ def check_privileges(status_text: str | None = None) -> None:
         return
     raise FeatureError(
         "slatrace needs root or the capabilities CAP_BPF and CAP_PERFMON (CAP_SYS_ADMIN on "
-        "older kernels) to load BPF programs: run it as root (sudo slatrace run)"
+        "older kernels) to load BPF programs: run it as root, or grant those capabilities to its process or container"
     )
 
 
