@@ -68,6 +68,8 @@ FAILURE_LOG_PERIOD_S = 60.0
 # OTLP units of the catalog's metrics; other families get theirs from the name.
 _CATALOG_UNITS = {spec.name: spec.unit for spec in CATALOG}
 
+_RATE_LIMIT_KEYS = 64
+
 # The loggers through which the SDK's exporters report each failed attempt.
 _SDK_EXPORTER_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
@@ -332,6 +334,10 @@ class _RateLimitFilter(logging.Filter):
         key = (record.name, record.msg)
         now = time.monotonic()
         with self._lock:
+            if len(self._last) > _RATE_LIMIT_KEYS:
+                # Templates are few; many keys mean preformatted messages, which
+                # must not grow this map without bound.
+                self._last.clear()
             last = self._last.get(key)
             if last is not None and now - last < self._period_s:
                 return False
