@@ -4,6 +4,7 @@ loopback OTLP receiver (gRPC and HTTP/protobuf)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -201,11 +202,9 @@ class _IngestDuringCollect(Collector):
     def collect(self):
         if not self.done:
             self.done = True
-            extra = _snapshot(2)
-            extra = ProbeSnapshot(extra.mono_ns + 10**9, extra.wall + 1, {
-                k: dict(v) for k, v in extra.hists.items()}, extra.pairs,
-                {cg: CgroupCounters(migrations=c.migrations + 100) for cg, c in extra.cgroups.items()},
-                extra.errors, extra.programs)
+            last = _snapshot(2)
+            extra = dataclasses.replace(last, mono_ns=last.mono_ns + 10**9, wall=last.wall + 1, cgroups={
+                cg: CgroupCounters(migrations=c.migrations + 100) for cg, c in last.cgroups.items()})
             self.store.ingest(extra, SERVICES.__getitem__)
         return []
 
