@@ -79,7 +79,7 @@ def test_runq_reference_matches_schedstat(kernel: None) -> None:
         print("P50/P95/P99 us: " + " / ".join(f"{percentile(waits, q) / 1e3:.0f}"
                                                for q in (0.5, 0.95, 0.99)))
 
-    assert ss_slices > 500, "the victim hardly ran: the workload is broken"
+    assert ss_slices > 100, "the victim hardly ran: the workload is broken"
     assert abs(ref.total_wait_ns - ss_wait) <= 0.3 * ss_wait
     assert abs(len(waits) - ss_slices) <= 0.3 * ss_slices
     assert abs(ref.involuntary_switches - nonvol) <= 0.3 * nonvol
@@ -114,31 +114,23 @@ def _fields(ev: TraceEvent) -> tuple:
 def test_raw_decoder_matches_the_kernels_text(kernel: None) -> None:
     """Every field the binary decoder reads must equal what the kernel prints."""
     with TestCgroup("decode") as cg:
-        # Nested: the raw recording starts later and stops earlier, so per CPU
-        # its events are one contiguous run of the text recording's.
-        with TraceRecorder(mode="text", buffer_kb=65536) as text, TraceRecorder() as raw:
+        # One buffer read twice: as the kernel's text, then as binary pages.
+        with TraceRecorder(mode="both", buffer_kb=65536) as rec:
             victim = cg.spawn(victim_argv(1.0))
             io = cg.spawn(iowait_argv(0.5))
             cg.spawn(hog_argv(cpu=0))
             wait_zombie(victim.pid, timeout=30)
             wait_zombie(io.pid, timeout=30)
 
-    kinds = {type(e).__name__ for e in raw.events}
+    raw, text = rec.events, rec.text_events
+    kinds = {type(e).__name__ for e in raw}
+    print(f"\n{len(raw)} events from pages, {len(text)} from text; {sorted(kinds)}")
     assert {"SchedSwitch", "SchedWakeup", "SchedMigrate"} <= kinds, kinds
-    for cpu in sorted({e.cpu for e in raw.events}):
-        t = [e for e in text.events if e.cpu == cpu]
-        r = [e for e in raw.events if e.cpu == cpu]
-        head = [_fields(e) for e in r[:20]]
-        start = next(i for i in range(len(t)) if [_fields(e) for e in t[i:i + 20]] == head)
-        t = t[start:start + len(r)]
-        assert len(t) == len(r)
-        assert [_fields(e) for e in t] == [_fields(e) for e in r]
-        # Text rounds down to microseconds; the two instances stamp the same
-        # event a few microseconds apart at most.
-        dts = sorted(b.ts_ns - a.ts_ns for a, b in zip(t, r))
-        print(f"\ncpu {cpu}: {len(r)} events equal, timestamp raw-text median "
-              f"{dts[len(dts) // 2]} ns, max {dts[-1]} ns")
-        assert -1_000 < dts[len(dts) // 2] < 50_000
+    assert len(raw) == len(text)
+    assert [_fields(e) for e in raw] == [_fields(e) for e in text]
+    # Text rounds to the nearest microsecond (ns2usecs); nothing else may differ.
+    assert [(e.ts_ns + 500) // 1000 * 1000 for e in raw] == [e.ts_ns for e in text]
+    assert any(e.ts_ns % 1000 for e in raw), "pages lost the nanoseconds"
 
 
 # Lines as a 6.18 VM prints them (trace_clock mono), with comm values holding

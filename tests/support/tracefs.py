@@ -7,7 +7,7 @@ against. A private instance keeps the global buffer (and other users of it)
 untouched, and `mono` is the clock of bpf_ktime_get_ns, so timestamps compare.
 
 Resolution: events read from the binary ring buffer (the default) carry
-nanosecond timestamps; the text output of tracefs has microseconds only.
+nanosecond timestamps; the text output of tracefs rounds to microseconds.
 """
 
 from __future__ import annotations
@@ -385,6 +385,9 @@ class TraceRecorder:
     with a whole busy machine, and keeps nanosecond timestamps. mode "text"
     reads the formatted `trace` file once at the end: no activity during
     recording, microsecond timestamps, limited to what fits in the buffer.
+    mode "both" records like "text", then reads the same buffer twice: the
+    kernel's text into `text_events`, then the binary pages into `events`,
+    so the decoder can be checked against the kernel's own formatting.
     Either way a lost event raises TraceLost instead of yielding a quietly
     wrong reference.
     """
@@ -393,8 +396,8 @@ class TraceRecorder:
                  mode: str = "raw", tracefs: Path | None = None, stream: bool = False) -> None:
         # stream=True asks for reading while recording, which is what "raw" does.
         mode = "raw" if stream else mode
-        if mode not in ("raw", "text"):
-            raise ValueError(f"mode must be 'raw' or 'text', not {mode!r}")
+        if mode not in ("raw", "text", "both"):
+            raise ValueError(f"mode must be 'raw', 'text' or 'both', not {mode!r}")
         self.event_names = tuple(events)
         self.buffer_kb = int(buffer_kb)
         self.mode = mode
@@ -402,6 +405,7 @@ class TraceRecorder:
         self.instance = (self.tracefs / "instances"
                          / f"{INSTANCE_PREFIX}{os.getpid()}-{secrets.token_hex(3)}")
         self.events: list[TraceEvent] = []
+        self.text_events: list[TraceEvent] = []
         self.lost: dict[int, int] = {}
         self._pages: dict[int, list[bytes]] = {}
         self._stop = threading.Event()
@@ -452,34 +456,42 @@ class TraceRecorder:
                 (self._event_dir(name) / "enable").write_text("0")
             if exc_type is not None:
                 return  # the block's own error matters more than the trace
-            if self.mode == "raw":
-                decoder = RawDecoder(self.instance, self.event_names)
-                self._stop.set()
-                for t in self._readers:
-                    t.join(timeout=60)
-                if self._reader_errors:
-                    raise self._reader_errors[0]
-                self.lost = read_lost(self.instance)
-                self._check_lost()
-                stats = read_stats(self.instance)
-                unread = {cpu: c.get("entries", 0) for cpu, c in stats.items()}
-                if any(unread.values()):
-                    raise TraceLost(f"events left unread per CPU {unread}")
-                self.events = decoder.events(
-                    self._pages, {cpu: c.get("read events", 0) for cpu, c in stats.items()})
-                self._pages.clear()
-            else:
+            if self.mode in ("text", "both"):
                 self.lost = read_lost(self.instance)
                 text = (self.instance / "trace").read_bytes().decode("utf-8", "replace")
                 self._check_lost()
-                self.events = parse_lines(text.splitlines())
+                self.text_events = parse_lines(text.splitlines())
+                if self.mode == "text":
+                    self.events = self.text_events
+                    return
+            decoder = RawDecoder(self.instance, self.event_names)
+            self._stop.set()
+            if self.mode == "both":
+                # `trace` does not consume; now take the same events as pages.
+                for cpu_dir in sorted((self.instance / "per_cpu").glob("cpu*")):
+                    cpu = int(cpu_dir.name[3:])
+                    self._pages[cpu] = []
+                    self._drain(cpu_dir / "trace_pipe_raw", cpu, self._subbuf_size())
+            for t in self._readers:
+                t.join(timeout=60)
+            if self._reader_errors:
+                raise self._reader_errors[0]
+            self.lost = read_lost(self.instance)
+            self._check_lost()
+            stats = read_stats(self.instance)
+            unread = {cpu: c.get("entries", 0) for cpu, c in stats.items()}
+            if any(unread.values()):
+                raise TraceLost(f"events left unread per CPU {unread}")
+            self.events = decoder.events(
+                self._pages, {cpu: c.get("read events", 0) for cpu, c in stats.items()})
+            self._pages.clear()
         finally:
             self._teardown()
 
     def _check_lost(self) -> None:
         if any(self.lost.values()):
             raise TraceLost(f"tracefs lost events per CPU {self.lost}: use a larger buffer_kb"
-                            + (" or mode='raw'" if self.mode == "text" else ""))
+                            + (" or mode='raw'" if self.mode != "raw" else ""))
 
     def _teardown(self) -> None:
         self._stop.set()
