@@ -71,6 +71,9 @@ class ProbeSnapshot:
     hists: dict[tuple[int, int], dict[int, Bucket]] = field(default_factory=dict)
     # (victim cgroup id, preemptor cgroup id) -> PairCounters; preemptor 0 = unknown
     pairs: dict[tuple[int, int], PairCounters] = field(default_factory=dict)
+    # (victim cgroup id, cgroup that held the CPU until the wait ended) -> the
+    # run-queue waits that followed a wakeup; holder 0 = the CPU was idle
+    holders: dict[tuple[int, int], PairCounters] = field(default_factory=dict)
     cgroups: dict[int, CgroupCounters] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)          # map name -> failed updates
     programs: dict[str, ProgramStats] = field(default_factory=dict)  # program -> cost

@@ -20,6 +20,9 @@ BPF_TABLE("lru_hash", u32, struct task_info, tasks, MAX_TASKS);
 /* Counters: per CPU, so the hot path needs no atomics. User space sums CPUs. */
 BPF_TABLE("percpu_hash", struct hist_key, struct hist_val, hists, MAX_HIST);
 BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, pairs, MAX_PAIRS);
+/* Waits after a wakeup, by the cgroup that held the CPU until the waiter got
+ * it (victim_cgid, holder as preemptor_cgid; 0 = the CPU was idle). */
+BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, holders, MAX_PAIRS);
 BPF_TABLE("percpu_hash", u64, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
 
@@ -63,6 +66,8 @@ static __always_inline void hist_add(u64 cgid, u32 kind, u64 v)
         count_error(ERR_HIST);
 }
 
+/* pairs and holders share key and value types; BCC's map objects cannot be
+ * passed as arguments, hence one small function per map. */
 static __always_inline void pair_add(u64 victim, u64 preemptor, u64 wait)
 {
     struct pair_key key = {.victim_cgid = victim, .preemptor_cgid = preemptor};
@@ -74,6 +79,20 @@ static __always_inline void pair_add(u64 victim, u64 preemptor, u64 wait)
     }
     struct pair_val init = {.count = 1, .wait_ns = wait};
     if (pairs.update(&key, &init))
+        count_error(ERR_PAIR);
+}
+
+static __always_inline void holder_add(u64 victim, u64 holder, u64 wait)
+{
+    struct pair_key key = {.victim_cgid = victim, .preemptor_cgid = holder};
+    struct pair_val *val = holders.lookup(&key);
+    if (val) {
+        val->count++;
+        val->wait_ns += wait;
+        return;
+    }
+    struct pair_val init = {.count = 1, .wait_ns = wait};
+    if (holders.update(&key, &init))
         count_error(ERR_PAIR);
 }
 
@@ -150,6 +169,9 @@ TRACEPOINT_PROBE(sched, sched_switch)
     long prev_state = args->prev_state;
     u64 next_cgid = 0;
 
+    /* The current task is prev: the one that held the CPU until now. */
+    u64 cgid = prev_pid ? bpf_get_current_cgroup_id() : 0;
+
     /* Switch-in: the run-queue wait ends. pid 0 is the per-CPU idle task. */
     if (next_pid) {
         struct task_info *n = tasks.lookup(&next_pid);
@@ -159,10 +181,14 @@ TRACEPOINT_PROBE(sched, sched_switch)
             if (st == TS_RUNNABLE || st == TS_PREEMPTED) {
                 u64 wait = now - n->ts;
                 hist_add(next_cgid, HIST_RUNQ, wait);
+                /* Blame: a preempted wait on its preemptor, a wait after a
+                 * wakeup on whoever held the CPU until it ended. */
                 if (st == TS_PREEMPTED)
                     pair_add(next_cgid, n->preemptor_cgid, wait);
+                else
+                    holder_add(next_cgid, cgid, wait);
                 emit(next_cgid, st == TS_PREEMPTED ? EV_PREEMPTED : EV_RUNQ, n->ts, now,
-                     st == TS_PREEMPTED ? n->preemptor_cgid : 0, next_pid);
+                     st == TS_PREEMPTED ? n->preemptor_cgid : cgid, next_pid);
             } else if (st == TS_RUNNING) {
                 cgroup_count(next_cgid, CG_UNTRACED_SWITCH_OUT);
             } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
@@ -191,7 +217,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
     else
         st = TS_SLEEPING;
 
-    u64 cgid = bpf_get_current_cgroup_id();
     struct task_info *p = tasks.lookup(&prev_pid);
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)

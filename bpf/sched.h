@@ -29,14 +29,14 @@
 /* stat_key.counter */
 #define ERR_TASK 0        /* task map update failed */
 #define ERR_HIST 1        /* histogram map update failed (full) */
-#define ERR_PAIR 2        /* preemption map update failed (full) */
+#define ERR_PAIR 2        /* preemption or holder map update failed (full) */
 #define ERR_CGROUP 3      /* per-cgroup counter map update failed (full) */
 #define ERR_EVENTS 4      /* event ring buffer full */
 #define ERR_EVENT_RATE 5  /* event dropped by the per-CPU rate limit */
 #define NR_ERRORS 6
 
 /* sched_event.kind */
-#define EV_RUNQ 0         /* run-queue wait after a wakeup or yield */
+#define EV_RUNQ 0         /* run-queue wait after a wakeup; other_cgid = last holder of the CPU */
 #define EV_PREEMPTED 1    /* run-queue wait after a preemption; other_cgid = preemptor */
 #define EV_IOWAIT 2       /* uninterruptible sleep until wakeup */
 #define EV_MIGRATE 3      /* migration (start == end) */

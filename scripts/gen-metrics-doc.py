@@ -48,6 +48,7 @@ def synthetic_store() -> tuple[Store, Sources]:
         mono_ns=10**9, wall=999.0,
         hists={(1, 0): dict(runq.items()), (2, 0): dict(runq.items()), (1, 1): dict(io.items())},
         pairs={(1, 2): PairCounters(2, 3_000_000), (2, 1): PairCounters(1, 20_000)},
+        holders={(1, 2): PairCounters(3, 1_500_000), (1, 0): PairCounters(4, 40_000)},
         cgroups={1: CgroupCounters(migrations=3), 2: CgroupCounters(migrations=1, untraced_switch_in=1)},
         errors={"hists": 0},
         programs={"sched_switch": ProgramStats(1000, 800_000), "sched_wakeup": ProgramStats(400, 150_000)},

@@ -14,8 +14,10 @@ run-queue wait is divided into:
   service, a neighbour, or kernel/unknown — the idle task included). A
   throttled task is switched out as if preempted, so the throttled time is
   taken out of these waits first, pro rata, instead of being counted twice;
-- the rest: waits after wakeups, while the CPU was busy (the BPF side does not
-  record who held the CPU then, so no culprit is invented for it).
+- waits after wakeups, by the service that held the CPU until the waiter got
+  it (the kernel records the last holder); a CPU that was idle is nobody's
+  fault (kind "idle": wake-up latency). Without holder figures (e.g. from
+  an older Prometheus series) the rest stays unattributed as "busy_cpu".
 
 That is what tells a service starved by its own quota from a victim of its
 neighbours: the same run-queue wait, a different measured cause.
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.config import Slo
+from agent.store.store import IDLE
 
 __all__ = [
     "SCHED_SLOS",
@@ -148,6 +151,7 @@ _CAUSE_OF_KIND = {
     "kernel": "kernel",
     "own_quota": "own_quota",
     "busy_cpu": "busy_cpu",
+    "idle": "idle",
     "io": "iowait",
 }
 
@@ -160,11 +164,12 @@ def blame(service: str, figures: Any, throttled_seconds: float = 0.0) -> dict:
         iowait=figures.iowait.sum_seconds,
         preempted={name: p.wait_ns / 1e9 for name, p in figures.preempted_by.items()},
         throttled_seconds=throttled_seconds,
+        behind={name: p.wait_ns / 1e9 for name, p in figures.waited_behind.items()},
     )
 
 
 def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: Mapping[str, float],
-                      throttled_seconds: float = 0.0) -> dict:
+                      throttled_seconds: float = 0.0, behind: Mapping[str, float] | None = None) -> dict:
     """blame() on plain totals, so figures read back from Prometheus are split
     by exactly the same rule as the agent's own."""
     wait = runq_wait
@@ -181,18 +186,32 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
     def share(seconds: float) -> float:
         return seconds / delay if delay > 0 else 0.0
 
-    culprits = sorted(
-        ({"service": name, "kind": _culprit_kind(service, name), "seconds": s * keep,
-          "share": share(s * keep)} for name, s in preempted.items() if s * keep > 0),
-        key=lambda c: c["seconds"], reverse=True,
-    )
-    shares = [{"cause": "preemption", **c} for c in culprits]
+    shares = [{"cause": "preemption", "service": name, "kind": _culprit_kind(service, name),
+               "seconds": s * keep, "share": share(s * keep)}
+              for name, s in preempted.items() if s * keep > 0]
     if throttled > 0:
         shares.append({"cause": "throttling", "kind": "own_quota", "seconds": throttled,
                        "share": share(throttled)})
-    if wakeup > 0:
+    behind_total = sum(behind.values()) if behind else 0.0
+    if wakeup > 0 and behind_total > 0:
+        # Holder waits and the histogram come from the same switch-ins; scale
+        # them onto the wakeup part so the parts never exceed the whole.
+        scale = wakeup / behind_total
+        for name, s in behind.items():
+            if s > 0:
+                kind = "idle" if name == IDLE else _culprit_kind(service, name)
+                shares.append({"cause": "runq_after_wakeup", "service": name, "kind": kind,
+                               "seconds": s * scale, "share": share(s * scale)})
+    elif wakeup > 0:
         shares.append({"cause": "runq_after_wakeup", "kind": "busy_cpu", "seconds": wakeup,
                        "share": share(wakeup)})
+    # Culprits: services, however they took the CPU, largest first.
+    per_service: dict[str, float] = {}
+    for sh in shares:
+        if "service" in sh and sh["kind"] != "idle":
+            per_service[sh["service"]] = per_service.get(sh["service"], 0.0) + sh["seconds"]
+    culprits = sorted(({"service": n, "kind": _culprit_kind(service, n), "seconds": v, "share": share(v)}
+                       for n, v in per_service.items()), key=lambda c: c["seconds"], reverse=True)
     if iowait > 0:
         shares.append({"cause": "iowait", "kind": "io", "seconds": iowait, "share": share(iowait)})
 
@@ -252,8 +271,11 @@ def verdict(record: Mapping[str, Any]) -> str:
                 f"= {_pct(part('own_quota'))} of its {delay} delay, while neighbours account for "
                 f"{_pct(part('neighbour'))}")
     elif cause == "neighbours":
-        body = (f"delayed by its neighbours, preempted by {named}, "
+        body = (f"delayed by its neighbours, {named}, "
                 f"{_pct(part('neighbour'))} of its {delay} delay (own quota {_pct(part('own_quota'))})")
+    elif cause == "idle":
+        body = (f"mostly wake-up latency on idle CPUs, {_pct(part('idle'))} of its {delay} delay: "
+                "no neighbour to blame")
     elif cause == "busy_cpu":
         body = (f"mostly waited for a busy CPU after waking up, {_pct(part('busy_cpu'))} of its {delay} delay"
                 + (f"; preemptions by {named} add {_pct(part('neighbour'))}" if neighbours else "")
@@ -273,6 +295,7 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
                    breaches: Mapping[tuple[str, str], int] | None = None) -> dict:
     runq, iowait = figures.runq, figures.iowait
     by = sorted(figures.preempted_by.items(), key=lambda kv: kv[1].wait_ns, reverse=True)
+    behind = figures.waited_behind
     preempt_count = sum(p.count for _, p in by)
     preempt_wait = sum(p.wait_ns for _, p in by) / 1e9
     slo = []
@@ -296,6 +319,12 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
             "count": preempt_count,
             "wait_seconds": preempt_wait,
             "by": [{"service": name, "count": p.count, "wait_seconds": p.wait_ns / 1e9} for name, p in by],
+        },
+        "wakeup": {
+            "count": sum(p.count for p in behind.values()),
+            "wait_seconds": sum(p.wait_ns for p in behind.values()) / 1e9,
+            "behind": [{"service": name, "count": p.count, "wait_seconds": p.wait_ns / 1e9}
+                       for name, p in sorted(behind.items(), key=lambda kv: kv[1].wait_ns, reverse=True)],
         },
         "iowait": {"count": iowait.count, "seconds": iowait.sum_seconds, "p99": iowait.quantile(0.99)},
         "migrations": figures.migrations,

@@ -138,6 +138,9 @@ PREEMPTIONS = _spec("slatrace_preemptions", "counter",
 PREEMPTED_WAIT = _spec("slatrace_preempted_wait_seconds", "counter",
                        "Run-queue wait that followed those preemptions, by the service that took the CPU.",
                        ("service", "by_service"), "s")
+WAKEUP_WAIT = _spec("slatrace_wakeup_wait_seconds", "counter",
+                    "Run-queue wait that followed a wakeup, by the service that held the CPU until the wait "
+                    "ended (\"idle\": the CPU was idle, wake-up latency).", ("service", "by_service"), "s")
 IOWAIT = _spec("slatrace_iowait_seconds", "histogram",
                "Time blocked in uninterruptible sleep (D state) until woken.", _SVC, "s")
 MIGRATIONS = _spec("slatrace_migrations", "counter", "Task migrations between CPUs.", _SVC, "1")
@@ -187,7 +190,7 @@ INTERVALS = _spec("slatrace_intervals_collected", "counter", "Intervals collecte
 BUILD_INFO = _spec("slatrace_build_info", "gauge", "slatrace version; always 1.", ("version",), "1")
 
 CATALOG: tuple[MetricSpec, ...] = (
-    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
+    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
     SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, BPF_EVENTS, BPF_RUN,
     MAP_ERRORS, POLL_DURATION, POLL_ERRORS, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
 )
@@ -233,6 +236,8 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         for by, p in sorted(f.preempted_by.items()):
             points[PREEMPTIONS.name].append(Point((s, by), p.count))
             points[PREEMPTED_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
+        for by, p in sorted(f.waited_behind.items()):
+            points[WAKEUP_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
         points[IOWAIT.name].append(histogram_point((s,), f.iowait, bounds))
         points[MIGRATIONS.name].append(Point((s,), f.migrations))
         for kind, n in zip(UNTRACED_KINDS, (f.untraced_switch_in, f.untraced_switch_out, f.untraced_wakeup)):

@@ -65,6 +65,7 @@ MAP_TYPES: dict[str, tuple[type, type]] = {
     "tasks": (ct.c_uint32, TaskInfo),
     "hists": (HistKey, HistVal),
     "pairs": (PairKey, PairVal),
+    "holders": (PairKey, PairVal),
     "cgroups": (ct.c_uint64, CgroupVal),
     "errors": (ct.c_uint32, ct.c_uint64),
     "watch_on": (ct.c_uint32, ct.c_uint32),

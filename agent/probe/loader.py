@@ -150,10 +150,8 @@ class Probe:
             count = sum(v.count for v in vals)
             if count:
                 hists.setdefault((key.cgid, key.kind), {})[key.slot] = Bucket(count, sum(v.sum_ns for v in vals))
-        pairs = {}
-        for key, vals in self._read("pairs"):
-            pairs[(key.victim_cgid, key.preemptor_cgid)] = PairCounters(
-                sum(v.count for v in vals), sum(v.wait_ns for v in vals))
+        pairs = self._read_pairs("pairs")
+        holders = self._read_pairs("holders")
         cgroups = {}
         for key, vals in self._read("cgroups"):
             cgroups[int(key)] = CgroupCounters(
@@ -164,8 +162,13 @@ class Probe:
             )
         err_table = self._bpf[b"errors"]
         errors = {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
-        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=hists, pairs=pairs, cgroups=cgroups,
+        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=hists, pairs=pairs, holders=holders, cgroups=cgroups,
                              errors=errors, programs=self.program_stats())
+
+    def _read_pairs(self, name: str) -> dict[tuple[int, int], PairCounters]:
+        return {(key.victim_cgid, key.preemptor_cgid): PairCounters(sum(v.count for v in vals),
+                                                                    sum(v.wait_ns for v in vals))
+                for key, vals in self._read(name)}
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero

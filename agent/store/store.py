@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from agent.snapshot import (
@@ -31,6 +31,8 @@ from agent.store.histogram import Histogram
 
 # Service name for preemptions whose preemptor cgroup the kernel did not know.
 UNKNOWN_SERVICE = "unknown"
+# Holder of a CPU that was idle until the waiting task got it.
+IDLE = "idle"
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -48,6 +50,9 @@ class ServiceInterval:
     untraced_switch_out: int
     untraced_wakeup: int
     cgroups: frozenset[int]
+    # Run-queue waits after a wakeup, by the service that held the CPU until
+    # they ended (IDLE: the CPU was idle). With preempted_by, sums to runq.
+    waited_behind: Mapping[str, PairCounters] = field(default_factory=lambda: _EMPTY)
 
     @property
     def preemptions(self) -> int:
@@ -86,11 +91,12 @@ class Window:
 class _ServiceSum:
     """Mutable accumulator for one service; frozen into a ServiceInterval."""
 
-    __slots__ = ("hists", "pairs", "counters", "cgroups")
+    __slots__ = ("hists", "pairs", "holders", "counters", "cgroups")
 
     def __init__(self) -> None:
         self.hists: dict[int, dict[int, list[int]]] = {HIST_RUNQ: {}, HIST_IOWAIT: {}}
         self.pairs: dict[str, list[int]] = {}
+        self.holders: dict[str, list[int]] = {}
         self.counters = [0, 0, 0, 0]  # migrations, untraced in/out/wakeup
         self.cgroups: set[int] = set()
 
@@ -104,12 +110,19 @@ class _ServiceSum:
         p[0] += count
         p[1] += wait_ns
 
+    def add_holder(self, holder: str, count: int, wait_ns: int) -> None:
+        p = self.holders.setdefault(holder, [0, 0])
+        p[0] += count
+        p[1] += wait_ns
+
     def add_interval(self, s: ServiceInterval) -> None:
         for kind, hist in ((HIST_RUNQ, s.runq), (HIST_IOWAIT, s.iowait)):
             for slot, b in hist.items():
                 self.add_bucket(kind, slot, b.count, b.sum_ns)
         for name, p in s.preempted_by.items():
             self.add_pair(name, p.count, p.wait_ns)
+        for name, p in s.waited_behind.items():
+            self.add_holder(name, p.count, p.wait_ns)
         for i, v in enumerate(
             (s.migrations, s.untraced_switch_in, s.untraced_switch_out, s.untraced_wakeup)
         ):
@@ -131,6 +144,9 @@ class _ServiceSum:
             untraced_switch_out=self.counters[2],
             untraced_wakeup=self.counters[3],
             cgroups=frozenset(self.cgroups),
+            waited_behind=MappingProxyType(
+                {n: PairCounters(c, w) for n, (c, w) in sorted(self.holders.items())}
+            ),
         )
 
 
@@ -260,6 +276,12 @@ class Store:
             if dc or dw:
                 by = UNKNOWN_SERVICE if preemptor == 0 else name(preemptor)
                 service(victim).add_pair(by, dc, dw)
+
+        for (victim, holder), p in cur.holders.items():
+            old = prev.holders.get((victim, holder))
+            dc, dw = _pair_delta(None if old is None else (old.count, old.wait_ns), (p.count, p.wait_ns))
+            if dc or dw:
+                service(victim).add_holder(IDLE if holder == 0 else name(holder), dc, dw)
 
         zero = CgroupCounters()
         for cgid, c in cur.cgroups.items():

@@ -216,7 +216,7 @@ def test_self_metrics_and_hooks() -> None:
     store = Store(retention_s=900, clock=lambda: 100.0)
     store.ingest(ProbeSnapshot(0, 98.0), lambda cg: "api")
     twelve_ms = dict(Histogram.from_ns([12_000_000] * 4).items())
-    store.ingest(ProbeSnapshot(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)},
+    store.ingest(ProbeSnapshot(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)}, holders={(1, 0): PairCounters(1, 5)},
                                programs={"sched_wakeup": ProgramStats(5, 500)}), lambda cg: "api")
     sources = Sources(
         slos=(Slo("api", runq_p99=0.005, runq_p95=0.5),),
@@ -237,6 +237,8 @@ def test_self_metrics_and_hooks() -> None:
     value = _samples(fams, "slatrace_slo_value_seconds")
     assert value[(("service", "api"), ("slo", "runq_p99"))] == pytest.approx(0.012, rel=1 / 16)
     assert _samples(fams, "slatrace_slo_target_seconds")[(("service", "api"), ("slo", "runq_p99"))] == 0.005
+    assert _samples(fams, "slatrace_wakeup_wait_seconds", "_total") == {
+        (("by_service", "idle"), ("service", "api")): 5e-9}
     assert _samples(fams, "slatrace_poll_duration_seconds") == {(): 0.25}
     assert _samples(fams, "slatrace_poll_errors", "_total") == {(): 2}
     assert "slatrace_unknown_thing" not in fams
