@@ -23,7 +23,7 @@ from agent.attribution.attribution import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, parse_listen
 from agent.config import Config
-from agent.export.figures import Sources
+from agent.export.figures import HistogramPoint, Sources, summed
 from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
@@ -106,8 +106,12 @@ class Daemon:
                                 describe_services=self._describe_services,
                                 throttled_between=self.throttle.between,
                                 breaches_between=self.breaches.between)
+        # One family per metric name: request SLO breaches (counted by the
+        # traces subsystem) are added to interval breaches here.
         self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
-            slos=config.slos, throttled_seconds=self.throttle.totals, slo_breaches=self.breaches.totals)))
+            slos=config.slos, throttled_seconds=self.throttle.totals,
+            slo_breaches=summed(self.breaches.totals, self._request_breaches),
+            request_sched_delay=self._request_delays)))
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
@@ -118,6 +122,12 @@ class Daemon:
         self._watched: set[int] = set()
         self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
         self._traces = None  # agent.traces.runtime.Traces once the probe is attached
+
+    def _request_breaches(self) -> dict[tuple[str, str], int]:
+        return self._traces.counters.breach_counts() if self._traces else {}
+
+    def _request_delays(self) -> dict[str, HistogramPoint]:
+        return self._traces.counters.delay_points() if self._traces else {}
 
     def _service_of(self, cgid: int) -> str:
         return self._resolver.service_of(cgid) if self._resolver else "unknown"

@@ -2,8 +2,9 @@
 
 The pipeline and receivers bump plain counters under one lock; the collector
 turns them into metric families at scrape time, as the store's collector does.
-Request SLO breaches are counted here (`slatrace_slo_breaches_total` with the
-request SLO names); interval SLO breaches belong to the store's collector.
+Request SLO breaches and per-request delays are counted here but exported by
+the main collector (agent/export/figures.py), beside interval SLO breaches, so
+each metric name has one family.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.export.figures import HistogramPoint
 from agent.store.histogram import classic_bounds
 
 __all__ = ["TraceCounters", "TraceCollector"]
@@ -67,6 +69,12 @@ class TraceCounters:
         with self._lock:
             return dict(self.breaches)
 
+    def delay_points(self) -> dict[str, HistogramPoint]:
+        """service -> per-request run-queue wait, bucketed on classic_bounds(),
+        in the form the main collector exports."""
+        return {s: HistogramPoint((s,), self._bounds, tuple(n for _, n in cumulative) + (count,), total)
+                for s, (cumulative, count, total) in self.delay_histograms().items()}
+
     def delay_histograms(self) -> dict[str, tuple[list[tuple[float, int]], int, float]]:
         """service -> (cumulative (bound, count) pairs, count, sum)."""
         with self._lock:
@@ -93,19 +101,6 @@ class TraceCollector(Collector):
             requests = dict(c.requests)
             forward_dropped = dict(c.forward_dropped)
             forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
-
-        breaches = CounterMetricFamily("slatrace_slo_breaches", "Intervals (or requests) that broke an SLO.",
-                                       labels=["service", "slo"])
-        for (service, slo), n in sorted(c.breach_counts().items()):
-            breaches.add_metric([service, slo], n)
-        yield breaches
-
-        delay = HistogramMetricFamily("slatrace_request_sched_delay_seconds", "Per request span: run-queue "
-                                      "wait of the service's tasks during the request.", labels=["service"])
-        for service, (cumulative, count, total) in sorted(c.delay_histograms().items()):
-            buckets = [(repr(float(b)), n) for b, n in cumulative] + [("+Inf", count)]
-            delay.add_metric([service], buckets, total)
-        yield delay
 
         spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
                                     "receivers.", labels=["transport"])

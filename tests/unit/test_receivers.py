@@ -29,6 +29,8 @@ from opentelemetry.trace import SpanKind
 
 from agent.attribution.request_sched import RequestSched
 from agent.config import Slo
+from agent.export.figures import Sources, compute
+from agent.store.store import Store
 from agent.traces.api import request_routes
 from agent.traces.forward import Forwarder, make_exporter
 from agent.traces.identity import SpanServices
@@ -249,21 +251,22 @@ def test_grpc_malformed_and_oversized_messages(traces):
     assert counters.rejected[("grpc", "malformed")] == 1
 
 
-def test_metrics_collector_exposes_breaches_and_delay(traces):
+def test_request_breaches_and_delay_reach_the_main_collector(traces):
     _, _, store, counters, _, http_rx = traces
     post(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
     wait_for(lambda: store.query())
-    families = {f.name: f for f in TraceCollector(counters).collect()}
-    [breach] = families["slatrace_slo_breaches"].samples
-    assert breach.labels == {"service": "vllm", "slo": "request_e2e_p99"} and breach.value == 1
-    delay = families["slatrace_request_sched_delay_seconds"].samples
+    # wired as the daemon wires them: one family per metric name
+    families = {f.spec.name: f for f in compute(Store(60.0), Sources(
+        slo_breaches=counters.breach_counts, request_sched_delay=counters.delay_points))}
+    [breach] = families["slatrace_slo_breaches"].points
+    assert breach.labels == ("vllm", "request_e2e_p99") and breach.value == 1
+    [delay] = families["slatrace_request_sched_delay_seconds"].points
     runq = store.query()[0]["sched"]["runq_wait_seconds"]
-    count = next(s.value for s in delay if s.name.endswith("_count"))
-    total = next(s.value for s in delay if s.name.endswith("_sum"))
-    assert count == 1 and total == pytest.approx(runq)
-    below = [s for s in delay if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"
-             and float(s.labels["le"]) < runq]
-    assert below and all(s.value == 0 for s in below)
+    assert delay.count == 1 and delay.sum == pytest.approx(runq)
+    below = [n for bound, n in zip(delay.bounds, delay.cumulative) if bound < runq]
+    assert below and all(n == 0 for n in below)
+    names = {f.name for f in TraceCollector(counters).collect()}
+    assert not names & {"slatrace_slo_breaches", "slatrace_request_sched_delay_seconds"}
 
 
 # --- forwarding -------------------------------------------------------------------
