@@ -27,7 +27,9 @@ def kernel() -> None:
         require_kernel(reason)
 
 
-def test_victim_beside_noisy_neighbour(kernel: None, tmp_path) -> None:
+def _run_victim(tmp_path, work_ms: float):
+    """A victim beside two CPU hogs per CPU, each group its own service; the
+    agent's record of the victim, the tracefs reference and schedstat."""
     with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg:
         config = tmp_path / "slatrace.yaml"
         config.write_text(
@@ -37,18 +39,27 @@ def test_victim_beside_noisy_neighbour(kernel: None, tmp_path) -> None:
         )
         with Agent(config=config, interval=0.5) as agent:
             for i in range(4):
-                noisy.spawn(hog_argv(cpu=i % 2))  # two hogs per CPU
+                noisy.spawn(hog_argv(cpu=i % 2))
             time.sleep(0.3)
-            with TraceRecorder(buffer_kb=65536, stream=True) as rec:
-                victim = victim_cg.spawn(victim_argv(VICTIM_SECONDS, sleep_ms=1.0, work_ms=0.3))
+            hog_tids = set(noisy.tids())
+            with TraceRecorder() as rec:
+                victim = victim_cg.spawn(victim_argv(VICTIM_SECONDS, sleep_ms=1.0, work_ms=work_ms))
                 wait_zombie(victim.pid, timeout=VICTIM_SECONDS + 30)
                 stat = read_schedstat(victim.pid)
             assert victim.wait() == 0
             time.sleep(1.2)  # two more intervals: the victim's last waits are collected
-            doc = agent.get_json("/api/v1/attribution?service=victim&since=600")
+            [record] = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
+    return record, reference(rec.events, stat.keys()), stat, hog_tids
 
-    [record] = doc["attribution"]
-    ref = reference(rec.events, stat.keys(), r_is_preemption=True)
+
+def _seconds(waits) -> float:
+    return sum(w.wait_ns for w in waits) / 1e9
+
+
+def test_victim_beside_noisy_neighbour(kernel: None, tmp_path) -> None:
+    """Sleeps ~1 ms, works ~0.3 ms: nearly all its wait comes after wakeups,
+    while a hog holds the CPU."""
+    record, ref, stat, hog_tids = _run_victim(tmp_path, work_ms=0.3)
     waits = ref.runq_waits_ns
     ss_wait_s = sum(s.wait_ns for s in stat.values()) / 1e9
     runq = record["runq"]
@@ -57,7 +68,7 @@ def test_victim_beside_noisy_neighbour(kernel: None, tmp_path) -> None:
     print(f"tracefs: count={len(waits)} wait={ref.total_wait_s * 1e3:.2f} ms "
           f"p50={percentile(waits, 0.5) / 1e3:.0f} p95={percentile(waits, 0.95) / 1e3:.0f} "
           f"p99={percentile(waits, 0.99) / 1e3:.0f} us; schedstat wait={ss_wait_s * 1e3:.2f} ms")
-    print(f"preemption: {record['preemption']}")
+    print(f"wakeup: {record['wakeup']}\npreemption: {record['preemption']}\nverdict: {record['verdict']}")
 
     assert len(waits) > 1000, "the victim hardly ran: the workload is broken"
     assert runq["wait_seconds"] == pytest.approx(ref.total_wait_s, rel=0.10)
@@ -66,7 +77,28 @@ def test_victim_beside_noisy_neighbour(kernel: None, tmp_path) -> None:
     assert runq["p95"] == pytest.approx(percentile(waits, 0.95) / 1e9, rel=0.05)
     assert runq["p99"] == pytest.approx(percentile(waits, 0.99) / 1e9, rel=0.05)
 
+    # Blame: the waits after wakeups, by who held the CPU when they ended.
+    behind = {b["service"]: b["wait_seconds"] for b in record["wakeup"]["behind"]}
+    ref_behind_hogs = _seconds(w for w in ref.wakeup_waits if w.preemptor in hog_tids)
+    assert record["wakeup"]["behind"][0]["service"] == "noisy"
+    assert behind["noisy"] == pytest.approx(ref_behind_hogs, rel=0.10)
+    assert record["wakeup"]["wait_seconds"] + record["preemption"]["wait_seconds"] == \
+        pytest.approx(runq["wait_seconds"], rel=0.01)
+    assert record["blame"]["culprits"][0]["service"] == "noisy"
+    assert "noisy" in record["verdict"]
+
+
+def test_preempted_victim_names_its_preemptor(kernel: None, tmp_path) -> None:
+    """Works 2 ms per wakeup, longer than its slice beside the hogs, so the
+    hogs also take the CPU from it mid-burst: who preempted whom."""
+    record, ref, _, hog_tids = _run_victim(tmp_path, work_ms=2.0)
     by = record["preemption"]["by"]
-    assert by and by[0]["service"] == "noisy"
-    ref_by_hogs = sum(p.wait_ns for p in ref.preemptions) / 1e9
-    assert record["preemption"]["wait_seconds"] == pytest.approx(ref_by_hogs, rel=0.10)
+    ref_by_hogs = ref.preemptions_by(hog_tids)
+    print(f"\npreemption: {record['preemption']}\nreference: {len(ref.preemptions)} preemptions, "
+          f"{len(ref_by_hogs)} by the hogs ({_seconds(ref_by_hogs) * 1e3:.1f} ms)")
+    assert len(ref_by_hogs) > 50, "the hogs hardly preempted the victim: the workload is broken"
+    assert by[0]["service"] == "noisy"
+    noisy = by[0]
+    assert noisy["count"] == pytest.approx(len(ref_by_hogs), rel=0.10)
+    assert noisy["wait_seconds"] == pytest.approx(_seconds(ref_by_hogs), rel=0.10)
+    assert record["preemption"]["wait_seconds"] == pytest.approx(_seconds(ref.preemptions), rel=0.10)

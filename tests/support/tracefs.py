@@ -576,6 +576,9 @@ class Reference:
     runq_waits_ns: list[int] = field(default_factory=list)
     # (victim_tid, preemptor_tid, wait_ns) for every wait that followed a preemption
     preemptions: list[Preemption] = field(default_factory=list)
+    # (victim_tid, holder_tid, wait_ns) for every wait that followed a wakeup:
+    # the holder is the task switched out when the victim got the CPU (0: idle)
+    wakeup_waits: list[Preemption] = field(default_factory=list)
     iowait_ns: list[int] = field(default_factory=list)
     migrations: int = 0
     untraced_switch_in: int = 0    # switch-out of a task still marked runnable
@@ -680,6 +683,8 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
                             if n.state == PREEMPTED:
                                 ref.preemptions.append(Preemption(nxt, n.preemptor, wait))
                                 ref.unknown_preemptor += not n.preemptor_known
+                            else:
+                                ref.wakeup_waits.append(Preemption(nxt, prev, wait))
                         elif n.state == RUNNING:
                             ref.untraced_switch_out += 1
                         elif n.state in (SLEEPING, BLOCKED):
