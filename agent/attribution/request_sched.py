@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 from agent.snapshot import SchedEvent
 from agent.store.events import EventLog
-from agent.store.store import Store
+from agent.store.store import IDLE, UNKNOWN_SERVICE, Store
 
 
 @dataclass(frozen=True)
@@ -26,15 +26,22 @@ class RequestSched:
     iowait_seconds: float
     migrations: int
     resolution_seconds: float                     # how finely the window was cut
+    # waits after a wakeup, by who held the CPU until they ended ("idle": nobody)
+    waited_behind: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> dict:
         return {
             "runq_wait_seconds": self.runq_wait_seconds,
             "preemptions": self.preemptions,
             "preempted_by": [{"service": s, "wait_seconds": w} for s, w in self.preempted_by],
+            "waited_behind": [{"service": s, "wait_seconds": w} for s, w in self.waited_behind],
             "iowait_seconds": self.iowait_seconds,
             "migrations": self.migrations,
         }
+
+
+def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted(by.items(), key=lambda kv: kv[1], reverse=True))
 
 
 class RequestSchedSource(Protocol):
@@ -67,6 +74,7 @@ class IntervalSched:
         runq = iowait = 0.0
         preemptions = migrations = 0.0
         by: dict[str, float] = {}
+        behind: dict[str, float] = {}
         for rec in self._store.records(since_s=max(0.0, time.time() - start) + self._interval):
             overlap = min(end, rec.end) - max(start, rec.start)
             figures = rec.services.get(service)
@@ -79,8 +87,10 @@ class IntervalSched:
             for culprit, p in figures.preempted_by.items():
                 preemptions += p.count * share
                 by[culprit] = by.get(culprit, 0.0) + p.wait_ns / 1e9 * share
-        ranked = tuple(sorted(by.items(), key=lambda kv: kv[1], reverse=True))
-        return RequestSched(runq, round(preemptions), ranked, iowait, round(migrations), self._interval)
+            for holder, p in figures.waited_behind.items():
+                behind[holder] = behind.get(holder, 0.0) + p.wait_ns / 1e9 * share
+        return RequestSched(runq, round(preemptions), _ranked(by), iowait, round(migrations), self._interval,
+                            _ranked(behind))
 
 
 def wall_minus_mono_ns() -> int:
@@ -158,8 +168,11 @@ class EventSched:
         f = self._log.between(self._cgroups_of(service), int(start * 1e9) - offset, int(end * 1e9) - offset)
         by: dict[str, float] = {}
         for cgid, wait_ns in f.preempted_by.items():
-            name = self._service_of(cgid) if cgid else "unknown"
+            name = self._service_of(cgid) if cgid else UNKNOWN_SERVICE
             by[name] = by.get(name, 0.0) + wait_ns / 1e9
-        ranked = tuple(sorted(by.items(), key=lambda kv: kv[1], reverse=True))
-        return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, ranked, f.iowait_ns / 1e9, f.migrations,
-                            resolution_seconds=1e-6)
+        behind: dict[str, float] = {}
+        for cgid, wait_ns in f.behind.items():
+            name = self._service_of(cgid) if cgid else IDLE
+            behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
+        return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
+                            resolution_seconds=1e-6, waited_behind=_ranked(behind))

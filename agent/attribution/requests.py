@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from agent.attribution.request_sched import RequestSched
 from agent.config import Slo
+from agent.store.store import IDLE
 from agent.traces.spans import RequestSpan
 
 __all__ = [
@@ -34,18 +35,27 @@ SIGNIFICANT_SHARE = 0.05
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str          # "preemption", "runq" (waiting without a preemption) or "iowait"
+    # "contention" (a culprit preempted the service or held the CPU it woke up
+    # to), "wakeup" (wake-up latency on an idle CPU), "runq" (wait with no
+    # culprit recorded) or "iowait"
+    kind: str
     seconds: float
     culprit: str | None = None
 
 
 def causes(sched: RequestSched) -> list[Cause]:
     """What the request's service lost, split into causes, largest first."""
-    out = [Cause("preemption", wait, culprit) for culprit, wait in sched.preempted_by if wait > 0]
-    preempted = sum(wait for _, wait in sched.preempted_by)
-    # Wait that followed no preemption: queued behind others after a wakeup.
-    rest = sched.runq_wait_seconds - preempted
-    if rest > 0:
+    per_culprit: dict[str, float] = {}
+    for culprit, wait in sched.preempted_by + sched.waited_behind:
+        if culprit != IDLE:
+            per_culprit[culprit] = per_culprit.get(culprit, 0.0) + wait
+    out = [Cause("contention", wait, culprit) for culprit, wait in per_culprit.items() if wait > 0]
+    idle = sum(wait for holder, wait in sched.waited_behind if holder == IDLE)
+    if idle > 0:
+        out.append(Cause("wakeup", idle))
+    # Wait no culprit was recorded for (figures from interval totals).
+    rest = sched.runq_wait_seconds - sum(per_culprit.values()) - idle
+    if rest > 1e-9:
         out.append(Cause("runq", rest))
     if sched.iowait_seconds > 0:
         out.append(Cause("iowait", sched.iowait_seconds))
@@ -79,8 +89,12 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
     top = ranked[0]
     share = f"{top.seconds / span.e2e:.0%} of {fmt_duration(span.e2e)} end to end" if span.e2e > 0 else \
         "of a request of no measurable duration"
-    if top.kind == "preemption":
+    if top.kind == "contention" and top.culprit == service:
+        what = f"run-queue wait behind its own threads ({service})"
+    elif top.kind == "contention":
         what = f"CPU contention from {top.culprit}"
+    elif top.kind == "wakeup":
+        what = "wake-up latency on idle CPUs"
     elif top.kind == "runq":
         what = f"run-queue wait without preemption (CPUs saturated within {service})"
     else:
@@ -131,5 +145,8 @@ def request_document(span: RequestSpan, service: str | None, how: str, sched: Re
         # whole request (the source fell behind); they may then be low.
         "sched_complete": complete and sched is not None,
         "slo": slo,
+        # who cost the request the most CPU time, preempting or holding the CPU
+        "culprits": [{"service": c.culprit, "wait_seconds": c.seconds}
+                     for c in (causes(sched) if sched is not None else []) if c.kind == "contention"],
         "verdict": verdict(span, sched, service),
     }

@@ -93,7 +93,7 @@ def print_requests(doc: dict) -> None:
                          overflow="fold")
     for r in doc.get("requests", []):
         sched = r.get("sched") or {}
-        by = sched.get("preempted_by") or []
+        by = r.get("culprits") or sched.get("preempted_by") or []
         table.add_row(
             r["request_id"], r["service"], _fmt(r.get("e2e")), _fmt(r.get("ttft")),
             _fmt(sched.get("runq_wait_seconds")), str(sched.get("preemptions", "-")),
@@ -134,6 +134,9 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     for by in sched.get("preempted_by") or []:
         rows.append((f"preempted by {by['service']}", _bar(0, by["wait_seconds"], e2e, "red", width),
                      _fmt(by["wait_seconds"])))
+    for by in sched.get("waited_behind") or []:
+        label = "woke to an idle CPU" if by["service"] == "idle" else f"woke behind {by['service']}"
+        rows.append((label, _bar(0, by["wait_seconds"], e2e, "red", width), _fmt(by["wait_seconds"])))
     if sched:
         rows.append(("run-queue wait", _bar(0, sched["runq_wait_seconds"], e2e, "yellow", width),
                      _fmt(sched["runq_wait_seconds"])))

@@ -192,8 +192,9 @@ def enrichment(doc: dict) -> dict:
             "slatrace.iowait_seconds": sched["iowait_seconds"],
             "slatrace.migrations": sched["migrations"],
         })
-        if sched["preempted_by"]:
-            top = sched["preempted_by"][0]
+        if doc["culprits"]:
+            top = doc["culprits"][0]
             out["slatrace.top_culprit"] = top["service"]
             out["slatrace.top_culprit_wait_seconds"] = top["wait_seconds"]
     return out
+

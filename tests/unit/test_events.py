@@ -9,6 +9,7 @@ from agent.store.events import EventLog
 def _brute(events, cgids, lo, hi):
     runq = iowait = pre = mig = 0
     by = {}
+    behind = {}
     for e in events:
         if e.cgid not in cgids:
             continue
@@ -25,7 +26,9 @@ def _brute(events, cgids, lo, hi):
             if e.kind == EV_PREEMPTED:
                 pre += 1
                 by[e.other_cgid] = by.get(e.other_cgid, 0) + ov
-    return runq, iowait, pre, by, mig
+            else:
+                behind[e.other_cgid] = behind.get(e.other_cgid, 0) + ov
+    return runq, iowait, pre, by, behind, mig
 
 
 def _events(n, seed=1):
@@ -39,7 +42,8 @@ def _events(n, seed=1):
         cg = rng.choice([10, 11, 12])
         # arrival order = end order with a little cross-CPU jitter
         end = t + rng.randint(0, 20_000)
-        out.append(SchedEvent(cg, kind, end - dur, end, rng.choice([0, 11, 12]) if kind == EV_PREEMPTED else 0, 7))
+        other = rng.choice([0, 11, 12]) if kind in (EV_PREEMPTED, EV_RUNQ) else 0
+        out.append(SchedEvent(cg, kind, end - dur, end, other, 7))
     return out
 
 
@@ -54,8 +58,10 @@ def test_window_cut_equals_brute_force():
         hi = lo + rng.randint(1_000_000, 500_000_000)
         cgids = {10, 12} if rng.random() < 0.5 else {11}
         f = log.between(cgids, lo, hi)
-        runq, iowait, pre, by, mig = _brute(events, cgids, lo, hi)
-        assert (f.runq_wait_ns, f.iowait_ns, f.preemptions, f.preempted_by, f.migrations) == (runq, iowait, pre, by, mig)
+        runq, iowait, pre, by, behind, mig = _brute(events, cgids, lo, hi)
+        assert (f.runq_wait_ns, f.iowait_ns, f.preemptions, f.migrations) == (runq, iowait, pre, mig)
+        assert {k: v for k, v in f.preempted_by.items() if v} == {k: v for k, v in by.items() if v}
+        assert {k: v for k, v in f.behind.items() if v} == {k: v for k, v in behind.items() if v}
 
 
 def test_retention_and_cap_drop_the_oldest():

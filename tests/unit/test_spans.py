@@ -246,8 +246,20 @@ def sched(runq: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 0
 def test_verdict_names_the_largest_culprit_with_its_share():
     s = sched(0.42, (("batch/etl", 0.38), ("host", 0.02)))
     assert verdict(span(), s, "vllm") == "CPU contention from batch/etl added 0.38 s (21% of 1.80 s end to end)"
-    assert [c.kind for c in causes(s)] == ["preemption", "preemption", "runq"]
+    assert [c.kind for c in causes(s)] == ["contention", "contention", "runq"]
     assert causes(s)[2].seconds == pytest.approx(0.02)
+
+
+def test_waits_behind_a_holder_count_for_that_culprit():
+    # 0.1 s preempted by batch + 0.25 s woken up while batch held the CPU: one
+    # culprit of 0.35 s; 0.05 s of wake-up latency on an idle CPU is nobody's.
+    s = RequestSched(0.42, 5, (("batch", 0.1),), 0.0, 1, 1e-6,
+                     waited_behind=(("batch", 0.25), ("idle", 0.05), ("vllm", 0.02)))
+    assert [(c.kind, c.culprit, round(c.seconds, 3)) for c in causes(s)] == [
+        ("contention", "batch", 0.35), ("wakeup", None, 0.05), ("contention", "vllm", 0.02)]
+    assert verdict(span(), s, "vllm") == "CPU contention from batch added 0.35 s (19% of 1.80 s end to end)"
+    only_self = RequestSched(0.3, 0, (), 0.0, 0, 1e-6, waited_behind=(("vllm", 0.3),))
+    assert verdict(span(), only_self, "vllm").startswith("run-queue wait behind its own threads")
 
 
 def test_verdict_other_causes_and_noise():
@@ -274,7 +286,8 @@ def test_request_document_has_the_spec_shape():
             "verdict"} <= set(doc)
     assert doc["sched"] == {"runq_wait_seconds": 0.21, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.19}],
-                            "iowait_seconds": 0.0, "migrations": 3}
+                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3}
+    assert doc["culprits"] == [{"service": "batch", "wait_seconds": 0.19}]
     json.dumps(doc)
 
 
