@@ -199,7 +199,9 @@ def render() -> str:
         "slot boundaries improve the σ = 0.5 worst case from ~10% to ~8% only.",
         "",
         "`tests/e2e/test_prometheus.py` checks the same against a real Prometheus: histogram_quantile",
-        "of a victim service under contention vs the agent's quantile on the same data, within 10%.",
+        "of a victim service under contention vs the agent's quantile on the same data. Measured there:",
+        "1-6% for P50/P95 in most runs, but 12-16% in some (a P50 inside the narrow ~10 µs wake-up",
+        "peak, a P99 at 6.3 ms interpolated in the 6.0-8.4 ms bucket); the test allows 20%.",
         "",
     ]
     return "\n".join(out)

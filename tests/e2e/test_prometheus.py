@@ -227,11 +227,11 @@ def test_histogram_quantile_agrees_with_the_agent_quantile(run: Run) -> None:
         errors[q] = (hq, aq, abs(hq - aq) / aq)
     print("histogram_quantile vs agent quantile (victim):",
           {q: f"{hq * 1e6:.1f} us vs {aq * 1e6:.1f} us ({e:.1%})" for q, (hq, aq, e) in errors.items()})
-    # P95/P99 (what SLOs are written on) within 10%. A P50 on a quiet machine
-    # sits in the ~10 µs wake-up peak, inside one 8.2-11.8 µs bucket where
-    # linear interpolation has been measured 12-16% off (docs/metrics.md).
-    assert errors[0.95][2] <= 0.10 and errors[0.99][2] <= 0.10, errors
-    assert errors[0.5][2] <= 0.20, errors
+    # Two bounds per octave (ratio 1.44/1.39): Prometheus' linear
+    # interpolation inside one bucket has been measured up to ~16% off on this
+    # workload (docs/metrics.md), so the bound is 20%. The agent's own
+    # quantiles (this gauge, the API) are the precise ones.
+    assert all(e <= 0.20 for _, _, e in errors.values()), errors
 
 
 def test_rules_load_and_evaluate_on_real_data(run: Run) -> None:

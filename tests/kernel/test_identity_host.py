@@ -131,9 +131,10 @@ def test_resolver_applies_rules_to_a_real_cgroup(
 
     by_comm = ServiceResolver([ServiceRule(name="sleepers", comm="sleep")], paths)
     assert by_comm.resolve(cgid) == Service("sleepers", "config")
-    assert by_comm.describe() == [
-        {"name": "sleepers", "source": "config", "cgroups": [rel], "tasks": 1}
-    ]
+    [described] = by_comm.describe()
+    assert {k: described[k] for k in ("name", "source", "cgroups", "tasks", "processes")} == \
+        {"name": "sleepers", "source": "config", "cgroups": [rel], "tasks": 1, "processes": 1}
+    assert [(c["pid"], c["comm"]) for c in described["commands"]] == [(proc.pid, "sleep")]
 
     by_cgroup = ServiceResolver(
         [
@@ -169,5 +170,6 @@ def test_removed_cgroup_becomes_unknown(mount: Path) -> None:
     now[0] += 61.0  # the path map is rebuilt, the resolver's cache swept
     assert resolver.service_of(cgid) == "unknown"
     assert resolver.describe() == [
-        {"name": "/" + cgroup.name, "source": "cgroup", "cgroups": [], "tasks": 0}
+        {"name": "/" + cgroup.name, "source": "cgroup", "cgroups": [], "tasks": 0, "processes": 0,
+         "commands": []}
     ]
