@@ -52,15 +52,13 @@ def make_handler(api: Api) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-class HttpServer:
-    def __init__(self, host: str, port: int, api: Api) -> None:
-        try:
-            self._server = ThreadingHTTPServer((host, port), make_handler(api))
-        except OSError as e:
-            raise ListenError(f"cannot listen on {host}:{port} ({e.strerror}): is another slatrace running? "
-                              "choose another address with --listen") from None
+class BackgroundHTTPServer:
+    """A ThreadingHTTPServer on its own daemon thread: start(), stop(), port."""
+
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], name: str) -> None:
+        self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="http", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
 
     @property
     def port(self) -> int:
@@ -72,3 +70,14 @@ class HttpServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class HttpServer(BackgroundHTTPServer):
+    """The agent's API, /metrics and probes."""
+
+    def __init__(self, host: str, port: int, api: Api) -> None:
+        try:
+            super().__init__(host, port, make_handler(api), "http")
+        except OSError as e:
+            raise ListenError(f"cannot listen on {host}:{port} ({e.strerror}): is another slatrace running? "
+                              "choose another address with --listen") from None

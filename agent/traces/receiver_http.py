@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from agent.api.server import BackgroundHTTPServer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
 from agent.traces.pipeline import RequestPipeline
@@ -116,20 +116,7 @@ def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Li
     return Handler
 
 
-class HttpReceiver:
+class HttpReceiver(BackgroundHTTPServer):
     def __init__(self, host: str, port: int, pipeline: RequestPipeline, counters: TraceCounters,
                  limits: Limits = Limits()) -> None:
-        self._server = ThreadingHTTPServer((host, port), _make_handler(pipeline, counters, limits))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-http", daemon=True)
-
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(host, port, _make_handler(pipeline, counters, limits), "otlp-http")

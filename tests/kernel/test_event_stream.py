@@ -4,29 +4,14 @@ counts and sums must agree to the nanosecond."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
 
 from agent.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, HIST_IOWAIT, HIST_RUNQ
-from tests.support import kernel_unavailable, require_kernel
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
 
 pytestmark = pytest.mark.kernel
-
-
-@pytest.fixture
-def probe():
-    reason = kernel_unavailable() or (None if importlib.util.find_spec("bcc") else "python3-bpfcc is not installed")
-    if reason:
-        require_kernel(reason)
-    from agent.probe import features
-    from agent.probe.loader import Probe
-
-    p = Probe.load(features.detect())
-    yield p
-    p.close()
 
 
 def test_watched_cgroup_events_equal_its_histogram(probe):

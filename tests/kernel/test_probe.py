@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import ctypes as ct
-import importlib.util
 import time
 
 import pytest
 
-from tests.support import kernel_unavailable, require_kernel
-
 pytestmark = pytest.mark.kernel
-
-
-@pytest.fixture(scope="module")
-def probe():
-    reason = kernel_unavailable() or (None if importlib.util.find_spec("bcc") else "python3-bpfcc is not installed")
-    if reason:
-        require_kernel(reason)
-    from agent.probe import features
-    from agent.probe.loader import Probe
-
-    p = Probe.load(features.detect())
-    yield p
-    p.close()
 
 
 def _fields(t) -> list[tuple[str, int, int]]:
