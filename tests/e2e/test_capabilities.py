@@ -189,10 +189,11 @@ def test_bpf_stats_need_no_sys_admin_when_the_node_enables_them(caps: list[str])
 
 POD_VIEW = """
 set -eu
-headers="$1"; shift
+headers="$1"; repo="$2"; shift 2
 # What a pod of deploy/daemonset.yaml sees of the node:
 mount -t tmpfs none /mnt
-mkdir /mnt/headers
+mkdir /mnt/headers /mnt/repo
+mount --bind "$repo" /mnt/repo             # the image's /opt/slatrace (may live under /tmp here)
 mount --bind "$headers" /mnt/headers && mount -o remount,bind,ro /mnt/headers   # the image's tree
 mount -t tmpfs none /sys/kernel/debug                                            # no debugfs
 mount --bind /sys/kernel/tracing /sys/kernel/tracing && mount -o remount,bind,ro /sys/kernel/tracing
@@ -202,6 +203,7 @@ mount -t tmpfs -o ro none /lib/modules     # a node without headers
 mount -t tmpfs -o ro none /usr/src
 mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys
 mount -t tmpfs none /tmp                   # the emptyDir
+mkdir -p "$repo" && mount --bind /mnt/repo "$repo"
 mount -o remount,bind,ro /                 # readOnlyRootFilesystem
 exec "$@"
 """
@@ -223,7 +225,7 @@ def headers_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pod_command(tmp_path: Path, headers: Path, fallback: str, caps: list[str], port: int) -> list[str]:
     script = tmp_path / "pod-view.sh"
     script.write_text(POD_VIEW)
-    return (["unshare", "--mount", "--propagation", "private", "sh", str(script), str(headers),
+    return (["unshare", "--mount", "--propagation", "private", "sh", str(script), str(headers), str(REPO),
              "env", f"SLATRACE_FALLBACK_HEADERS={fallback}", f"SLATRACE_BIN={Path(sys.executable).parent / 'slatrace'}",
              "PYTHONDONTWRITEBYTECODE=1"]
             + with_caps(caps)

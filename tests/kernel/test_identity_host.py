@@ -80,6 +80,10 @@ def sleeper(mount: Path) -> Iterator[tuple[Path, subprocess.Popen]]:
     try:
         proc = subprocess.Popen(["sleep", "30"])
         (cgroup / "cgroup.procs").write_text(f"{proc.pid}\n")
+        # Popen can return before the child has exec'd (its comm is still ours).
+        deadline = time.monotonic() + 5.0
+        while Path(f"/proc/{proc.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.01)
         yield cgroup, proc
     finally:
         if proc is not None:
