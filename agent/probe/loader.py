@@ -30,7 +30,7 @@ class MapSizes:
 
     tasks: int = 65536
     hists: int = 32768
-    pairs: int = 8192
+    pairs: int = 4096                # each of the pairs and holders maps
     cgroups: int = 2048
     watched: int = 1024
     event_pages: int = 1024          # 4 MiB of ring buffer with 4 KiB pages
