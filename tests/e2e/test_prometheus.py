@@ -24,6 +24,7 @@ import yaml
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import REPO, Agent, free_port, http_get
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
+from tests.e2e.scenes import quota
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +34,6 @@ WORKLOAD_S = 8.0
 PREFIX = "slatrace-e2e-"
 VICTIM, HOGS, IO = PREFIX + "victim", PREFIX + "hogs", PREFIX + "io"
 
-# A metric that cannot have data on some hosts, and why. Throttling needs the
-# cpu controller in the test cgroups' v2 hierarchy (hybrid hosts keep it on
-# v1); where it is there, the hogs get a CPU quota and the panel must show it.
-PENDING = {
-    "slatrace_cpu_throttled_seconds_total": "no cpu controller in the cgroup v2 hierarchy",
-}
 
 
 @dataclass
@@ -93,7 +88,6 @@ def _start_prometheus(tmp: Path, target: str) -> Prometheus:
 class Run:
     agent: Agent
     prom: Prometheus
-    throttled: bool    # the hogs ran under a CPU quota
     instance: str
     at: float          # evaluation time: the last scrape after the workload
     metrics: str       # the agent's /metrics at that time
@@ -114,19 +108,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                          {"name": IO, "cgroup": io.path}],
             "slos": [{"service": VICTIM, "runq_p99": 0.0001}],
         }))
-        # 1.5 CPUs for the three hogs (still contending, also throttled) where the
-        # cpu controller is delegated to the test cgroups; never enabled here,
-        # as that would change the host.
-        throttled = "cpu" in (hogs.dir / "cgroup.controllers").read_text().split()
-        if throttled:
-            (hogs.dir / "cpu.max").write_text("150000 100000")
-        with Agent(config=cfg, interval=0.5) as agent:
+        # 1.5 CPUs for the three hogs: still contending, also throttled (cgroup
+        # v2 cpu.max, or a v1 cpu cgroup on hybrid hosts).
+        with quota(hogs, 150) as hogs_quota, Agent(config=cfg, interval=0.5) as agent:
             instance = f"127.0.0.1:{agent.port}"
             prom = _start_prometheus(tmp, instance)
             try:
                 # Three hogs on two CPUs: the victim's every wakeup competes.
                 for _ in range(3):
-                    hogs.spawn(hog_argv(), stdout=subprocess.DEVNULL)
+                    hogs.spawn(hogs_quota.wrap + hog_argv(), stdout=subprocess.DEVNULL)
                 io.spawn(iowait_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
                 v = victim.spawn(victim_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
                 v.wait(timeout=WORKLOAD_S + 30)
@@ -135,7 +125,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                 at = time.time()
                 status, body = http_get(agent.url + "/metrics")
                 assert status == 200
-                yield Run(agent, prom, throttled, instance, at, body.decode())
+                yield Run(agent, prom, instance, at, body.decode())
             finally:
                 prom.proc.terminate()
                 try:
@@ -170,22 +160,14 @@ def test_dashboard_variables_find_the_agent_and_the_test_services(run: Run) -> N
 
 
 def test_every_overview_query_returns_series(run: Run) -> None:
-    pending = set() if run.throttled else set(PENDING)
-    empty, skipped = [], []
+    empty = []
     targets = _overview_targets()
     assert len(targets) >= 20
     for title, expr in targets:
         query = _substitute(expr, run.instance)
-        result = run.prom.query(query, at=run.at)
-        if result:
-            continue
-        missing = [name for name in pending if name in expr]
-        if missing:
-            skipped.append((title, missing))
-        else:
+        if not run.prom.query(query, at=run.at):
             empty.append((title, query))
     assert not empty, f"panels without data: {empty}"
-    print("panels empty for lack of a pending metric:", skipped)
     # Only panels over not-yet-supplied metrics may be empty.
     assert len(skipped) <= 1, skipped
 
