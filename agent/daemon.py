@@ -27,6 +27,7 @@ from agent.export.figures import HistogramPoint, Sources, summed
 from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
+from agent.identity.kthreads import kernel_thread_tids
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
@@ -179,6 +180,8 @@ class Daemon:
                                          docker=DockerNames())
         self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
                                                features.cgroup2)
+        marked = self._probe.mark_kernel_threads(kernel_thread_tids())
+        log.info("%d kernel threads counted as service 'kernel'", marked)
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 # hist kinds, as in bpf/sched.h
 HIST_RUNQ = 0
 HIST_IOWAIT = 1
+# The pseudo cgroup id kernel threads are counted under (bpf/sched.h).
+KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,10 @@ TRACEPOINT_PROBE(sched, sched_switch)
     u64 next_cgid = 0;
 
     /* The current task is prev: the one that held the CPU until now. */
-    u64 cgid = prev_pid ? bpf_get_current_cgroup_id() : 0;
+    struct task_info *p = prev_pid ? tasks.lookup(&prev_pid) : NULL;
+    u64 cgid = 0;
+    if (prev_pid)
+        cgid = (p && (p->flags & TF_KTHREAD)) ? KERNEL_CGID : bpf_get_current_cgroup_id();
 
     /* Switch-in: the run-queue wait ends. pid 0 is the per-CPU idle task. */
     if (next_pid) {
@@ -217,7 +220,6 @@ TRACEPOINT_PROBE(sched, sched_switch)
     else
         st = TS_SLEEPING;
 
-    struct task_info *p = tasks.lookup(&prev_pid);
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
             cgroup_count(cgid, CG_UNTRACED_SWITCH_IN);
@@ -275,11 +277,18 @@ TRACEPOINT_PROBE(sched, sched_migrate_task)
     return 0;
 }
 
-/* The child starts in its parent's cgroup; the parent is current here. */
+/* The child starts in its parent's cgroup; the parent is current here.
+ * Children of kthreadd are kernel threads. */
 TRACEPOINT_PROBE(sched, sched_process_fork)
 {
     u32 child = args->child_pid;
-    struct task_info init = {.cgid = bpf_get_current_cgroup_id(), .state = TS_SLEEPING};
+    struct task_info init = {.state = TS_SLEEPING};
+    if (args->parent_pid == KTHREADD_PID) {
+        init.cgid = KERNEL_CGID;
+        init.flags = TF_KTHREAD;
+    } else {
+        init.cgid = bpf_get_current_cgroup_id();
+    }
     if (tasks.update(&child, &init))
         count_error(ERR_TASK);
     return 0;

@@ -18,6 +18,14 @@
 #define HIST_RUNQ 0
 #define HIST_IOWAIT 1
 
+/* Kernel threads share the root cgroup with host processes; they are counted
+ * under this pseudo cgroup id instead (no real cgroup has it: ids are inode
+ * numbers). A task is a kernel thread when kthreadd forked it, or when user
+ * space marked it at start-up (TF_KTHREAD in task_info.flags). */
+#define KERNEL_CGID 0xfffffffffffffffeULL
+#define KTHREADD_PID 2
+#define TF_KTHREAD 1
+
 /* task_info.state */
 #define TS_UNKNOWN 0
 #define TS_RUNNING 1
@@ -46,7 +54,7 @@ struct task_info {
     __u64 cgid;            /* cgroup v2 id, remembered while the task was current */
     __u64 preemptor_cgid;  /* who took the CPU, when state == TS_PREEMPTED */
     __u32 state;
-    __u32 pad;
+    __u32 flags;           /* TF_* */
 };
 
 struct hist_key {

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.config import ServiceRule
+from agent.snapshot import KERNEL_CGID
 from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
 from agent.identity.docker import DockerNames, docker_container_id
+from agent.identity.kthreads import kernel_thread_tids
 from agent.identity.kubernetes import PodIndex, parse_kubepods_path
 from agent.identity.systemd import systemd_unit
 
@@ -132,6 +134,7 @@ def psutil_processes(pids: list[int], limit: int = 10) -> list[dict]:
 
 # Not a service of its own (never listed): the name for ids with no cgroup behind them.
 _UNKNOWN = Service(UNKNOWN, "unknown")
+KERNEL = Service("kernel", "kernel")
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,8 @@ class ServiceResolver:
         """Like service_of, with the name's source."""
         if cgid == 0:
             return _UNKNOWN
+        if cgid == KERNEL_CGID:
+            return self._admit(KERNEL, self._clock())
         path = self._cgroups.path_of(cgid)
         now = self._clock()
         if now - self._swept_at >= self.sweep_s:
@@ -276,6 +281,11 @@ class ServiceResolver:
                     identities.setdefault(name, {})[path] = details
         out = []
         for service in sorted(seen, key=lambda s: s.name):
+            if service == KERNEL:
+                kthreads = self._kernel_threads()
+                out.append({"name": service.name, "source": service.source, "cgroups": [],
+                            "tasks": len(kthreads), "processes": len(kthreads), "commands": []})
+                continue
             paths = sorted(cgroups.get(service.name, ()))
             pids = sorted({pid for p in paths for pid in self._cgroups.pids(p)})
             record = {
@@ -291,6 +301,9 @@ class ServiceResolver:
                 record["identity"] = [found[p] for p in sorted(found)]
             out.append(record)
         return out
+
+    def _kernel_threads(self) -> list[int]:
+        return kernel_thread_tids(self._proc)
 
     def _name(self, path: str, identity: Identity) -> Service:
         procs: list[int] | None = None

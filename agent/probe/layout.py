@@ -16,7 +16,7 @@ class TaskInfo(ct.Structure):
         ("cgid", ct.c_uint64),
         ("preemptor_cgid", ct.c_uint64),
         ("state", ct.c_uint32),
-        ("pad", ct.c_uint32),
+        ("flags", ct.c_uint32),
     ]
 
 

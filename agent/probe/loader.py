@@ -15,8 +15,14 @@ from pathlib import Path
 
 import agent
 from agent.probe.features import Features
-from agent.probe.layout import ERROR_MAPS, MAP_TYPES, SchedEvent as RawEvent
-from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats, SchedEvent
+from agent.probe.layout import ERROR_MAPS, MAP_TYPES, TaskInfo
+from agent.probe.layout import SchedEvent as RawEvent
+from agent.snapshot import (KERNEL_CGID, Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats,
+                            SchedEvent)
+
+# bpf/sched.h
+TS_RUNNING = 1
+TF_KTHREAD = 1
 
 BATCH = 512
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
@@ -125,6 +131,30 @@ class Probe:
             self._ring_open = True
         on = self._bpf[b"watch_on"]
         on[on.Key(0)] = on.Leaf(1 if cgids else 0)
+
+    def mark_kernel_threads(self, tids: list[int]) -> int:
+        """Count these tasks under the kernel pseudo cgroup from now on. New
+        kernel threads are recognised in the kernel (forked by kthreadd); this
+        covers the ones that existed before the programs were attached.
+        Returns how many were marked."""
+        table = self._bpf[b"tasks"]
+        marked = 0
+        for tid in tids:
+            key = table.Key(tid)
+            try:
+                info = table[key]
+            except KeyError:
+                # Not seen yet: as if running, so a wakeup before its first
+                # traced switch-out cannot start a bogus wait.
+                info = TaskInfo(ts=0, cgid=KERNEL_CGID, preemptor_cgid=0, state=TS_RUNNING, flags=0)
+            info.flags |= TF_KTHREAD
+            info.cgid = KERNEL_CGID
+            try:
+                table[key] = info
+                marked += 1
+            except Exception:  # the task map is full: the thread stays counted as host
+                continue
+        return marked
 
     def _on_event(self, ctx, data, size) -> None:
         e = ct.cast(data, ct.POINTER(RawEvent)).contents

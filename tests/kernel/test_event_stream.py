@@ -58,3 +58,30 @@ def test_only_watched_cgroups_stream(probe):
     host_runs = sum(b.count for (cg, kind), h in after.hists.items() if kind == HIST_RUNQ for b in h.values()) \
         - sum(b.count for (cg, kind), h in before.hists.items() if kind == HIST_RUNQ for b in h.values())
     assert host_runs > 0 and events == []
+
+
+def test_kernel_threads_are_counted_apart_from_host(probe):
+    """Waits of kernel threads (marked at start-up, or forked by kthreadd)
+    land on the kernel pseudo cgroup; their number matches the tracefs
+    reference for the same tids over the same span."""
+    from agent.identity.kthreads import kernel_thread_tids
+    from agent.snapshot import KERNEL_CGID
+    from tests.support.tracefs import TraceRecorder, reference
+    from tests.support.workload import iowait_argv
+
+    kthreads = kernel_thread_tids()
+    assert probe.mark_kernel_threads(kthreads) == len(kthreads) > 10
+    time.sleep(0.3)  # every marked thread switches out once: its state is known
+    with TestCgroup("io") as io:
+        with TraceRecorder() as rec:
+            before = probe.snapshot()
+            io.spawn(iowait_argv(2.0)).wait(timeout=30)  # flushes wake kworkers
+            after = probe.snapshot()
+    counts = [sum(b.count for b in s.hists.get((KERNEL_CGID, HIST_RUNQ), {}).values()) for s in (before, after)]
+    agent_waits = counts[1] - counts[0]
+    # The reference over the recording (which brackets the two snapshots by a
+    # few milliseconds), for the kernel threads and any kthreadd forked meanwhile.
+    ref = reference(rec.events, set(kthreads) | set(kernel_thread_tids()))
+    print(f"\nkernel-thread waits: agent {agent_waits}, reference {len(ref.runq_waits_ns)}")
+    assert agent_waits > 20
+    assert agent_waits == pytest.approx(len(ref.runq_waits_ns), rel=0.10)

@@ -29,6 +29,7 @@ def _header_defines() -> dict[str, int]:
     defines: dict[str, int] = {}
     for m in re.finditer(r"^#define\s+(\w+)\s+(.+?)\s*(?:/\*.*)?$", _sched_h(), re.M):
         name, expr = m.groups()
+        expr = re.sub(r"(?<=[0-9a-fA-F])U?L{1,2}\b", "", expr)  # C integer suffixes
         if re.fullmatch(r"[\w\s()+\-*<>]+", expr):
             defines[name] = eval(expr, {"__builtins__": {}}, dict(defines))  # noqa: S307
     return defines
