@@ -12,22 +12,43 @@ class AgentUnreachable(Exception):
     pass
 
 
-def get(agent: str, path: str, params: dict | None = None, timeout: float = 5.0) -> dict:
-    url = agent.rstrip("/") + path
-    if params:
-        url += "?" + urllib.parse.urlencode(params)
+class FetchError(Exception):
+    """An HTTP JSON request that failed: status is None when nothing answered,
+    or the HTTP status; detail says what happened."""
+
+    def __init__(self, status: int | None, detail: str, not_json: bool = False) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.not_json = not_json
+
+
+def fetch_json(url: str, timeout: float) -> dict:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as e:
         try:
-            message = json.load(e).get("error", e.reason)
+            detail = json.load(e).get("error", e.reason)
         except ValueError:
-            message = e.reason
-        raise AgentUnreachable(f"the agent at {agent} answered {e.code}: {message}") from None
+            detail = e.reason
+        raise FetchError(e.code, str(detail)) from None
     except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise AgentUnreachable(f"cannot reach the agent at {agent} ({reason}): is 'slatrace run' running? "
-                               "(use --agent URL for another address)") from None
+        raise FetchError(None, str(getattr(e, "reason", e))) from None
     except ValueError:
-        raise AgentUnreachable(f"the agent at {agent} did not answer JSON on {path}") from None
+        raise FetchError(200, "not JSON", not_json=True) from None
+
+
+def get(agent: str, path: str, params: dict | None = None, timeout: float = 5.0) -> dict:
+    url = agent.rstrip("/") + path
+    if params:
+        url += "?" + urllib.parse.urlencode(params)
+    try:
+        return fetch_json(url, timeout)
+    except FetchError as e:
+        if e.not_json:
+            raise AgentUnreachable(f"the agent at {agent} did not answer JSON on {path}") from None
+        if e.status is not None:
+            raise AgentUnreachable(f"the agent at {agent} answered {e.status}: {e.detail}") from None
+        raise AgentUnreachable(f"cannot reach the agent at {agent} ({e.detail}): is 'slatrace run' running? "
+                               "(use --agent URL for another address)") from None

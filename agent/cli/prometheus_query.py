@@ -10,15 +10,13 @@ bounds (about 1.4x apart) and the scrape grid.
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
 
 from agent.attribution.attribution import blame_from_totals, verdict
+from agent.cli.client import FetchError, fetch_json
 
 __all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution"]
 
@@ -39,20 +37,16 @@ class PrometheusQuery:
         query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
         url = f"{self.url}/api/v1/query?{query}"
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout) as resp:
-                doc = json.load(resp)
-        except urllib.error.HTTPError as e:
-            try:
-                detail = json.load(e).get("error", e.reason)
-            except ValueError:
-                detail = e.reason
-            raise PrometheusError(f"Prometheus at {self.url} refused the query ({e.code}: {detail})") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise PrometheusError(f"cannot reach Prometheus at {self.url} ({getattr(e, 'reason', e)}); "
+            doc = fetch_json(url, self.timeout)
+        except FetchError as e:
+            if e.not_json:
+                raise PrometheusError(f"Prometheus at {self.url} did not answer JSON; is it a Prometheus "
+                                      "server?") from None
+            if e.status is not None:
+                raise PrometheusError(f"Prometheus at {self.url} refused the query ({e.status}: {e.detail})") \
+                    from None
+            raise PrometheusError(f"cannot reach Prometheus at {self.url} ({e.detail}); "
                                   "check the --prometheus URL") from None
-        except ValueError:
-            raise PrometheusError(f"Prometheus at {self.url} did not answer JSON; is it a Prometheus server?") \
-                from None
         if doc.get("status") != "success" or doc.get("data", {}).get("resultType") != "vector":
             raise PrometheusError(f"Prometheus at {self.url} answered {doc.get('error') or doc.get('status')}")
         out = []
