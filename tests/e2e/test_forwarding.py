@@ -15,19 +15,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from agent.traces.spans import attributes
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import Agent, free_port
 from tests.support.otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.e2e
-
-
-def _attrs(span) -> dict:
-    out = {}
-    for kv in span.attributes:
-        v = kv.value
-        out[kv.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
-    return out
 
 
 def test_spans_are_forwarded_with_ids_and_slatrace_attributes():
@@ -67,7 +60,7 @@ def test_spans_are_forwarded_with_ids_and_slatrace_attributes():
     assert req.parent_span_id == parent_ctx.span_id.to_bytes(8, "big")
     assert http.span_id == parent_ctx.span_id.to_bytes(8, "big")
     assert not any(kv.key.startswith("slatrace.") for kv in http.attributes)  # forwarded untouched
-    attrs = _attrs(req)
+    attrs = attributes(req.attributes)
     assert attrs["gen_ai.request.id"] == "cmpl-forward-1"
     # process.pid comes first: this test process runs in the root cgroup
     assert attrs["slatrace.service"] == doc["service"] == "host" and doc["service_from"] == "process.pid"

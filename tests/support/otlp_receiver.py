@@ -20,7 +20,7 @@ import gzip
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,7 +30,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from agent.traces.spans import attributes
 
 ExportMetricsServiceRequest = metrics_service_pb2.ExportMetricsServiceRequest
 ExportTraceServiceRequest = trace_service_pb2.ExportTraceServiceRequest
@@ -267,20 +267,6 @@ def _handler_for(rx: OtlpReceiver) -> type[BaseHTTPRequestHandler]:
 
 # Reading what arrived.
 
-def any_value(v: AnyValue) -> Any:
-    """The Python value of an OTLP AnyValue (scalars, arrays, kvlists)."""
-    kind = v.WhichOneof("value")
-    if kind is None:
-        return None
-    if kind == "array_value":
-        return [any_value(x) for x in v.array_value.values]
-    if kind == "kvlist_value":
-        return attributes(v.kvlist_value.values)
-    return getattr(v, kind)
-
-
-def attributes(kvs: Sequence[KeyValue]) -> dict[str, Any]:
-    return {kv.key: any_value(kv.value) for kv in kvs}
 
 
 @dataclass(frozen=True)
