@@ -75,6 +75,9 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # gRPC's C core logs its own copy of errors the agent reports in one
+    # sentence (a port in use); keep stderr to that sentence unless asked.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from agent.config import Config, load_config  # noqa: PLC0415
     from agent.daemon import RunOptions, run  # noqa: PLC0415
 
