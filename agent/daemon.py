@@ -112,7 +112,7 @@ class Daemon:
         self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
             slos=config.slos, throttled_seconds=self.throttle.totals,
             slo_breaches=summed(self.breaches.totals, self._request_breaches),
-            request_sched_delay=self._request_delays)))
+            request_sched_delay=self._request_delays, request_slos=self._request_slos)))
         self._probe = None
         self._bpf_stats = BpfStats()
         self._server: HttpServer | None = None
@@ -126,6 +126,9 @@ class Daemon:
 
     def _request_breaches(self) -> dict[tuple[str, str], int]:
         return self._traces.counters.breach_counts() if self._traces else {}
+
+    def _request_slos(self) -> dict[tuple[str, str], tuple[float, float | None, bool]]:
+        return self._traces.counters.slo_status() if self._traces else {}
 
     def _request_delays(self) -> dict[str, HistogramPoint]:
         return self._traces.counters.delay_points() if self._traces else {}

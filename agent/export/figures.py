@@ -116,6 +116,8 @@ class Sources:
     throttled_seconds: Callable[[], Mapping[str, float]] | None = None
     slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
     request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
+    # (service, request SLO) -> (target, value judged over the last minute or None, ok)
+    request_slos: Callable[[], Mapping[tuple[str, str], tuple[float, float | None, bool]]] | None = None
     agent_stats: Callable[[], Mapping[str, float]] | None = None
 
 
@@ -260,6 +262,12 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
             if r.value is not None:
                 points[SLO_VALUE.name].append(Point((s, r.name), r.value))
             points[SLO_OK.name].append(Point((s, r.name), 1.0 if r.ok else 0.0))
+    if sources.request_slos is not None:
+        for (s, name), (target, value, ok) in sorted(sources.request_slos().items()):
+            points[SLO_TARGET.name].append(Point((s, name), target))
+            if value is not None:
+                points[SLO_VALUE.name].append(Point((s, name), value))
+            points[SLO_OK.name].append(Point((s, name), 1.0 if ok else 0.0))
 
     if sources.throttled_seconds is not None:
         for s, v in sorted(sources.throttled_seconds().items()):

@@ -10,8 +10,11 @@ each metric name has one family.
 from __future__ import annotations
 
 import bisect
+import math
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -22,9 +25,19 @@ from agent.store.histogram import classic_bounds
 __all__ = ["TraceCounters", "TraceCollector"]
 
 
+# Request SLOs are judged like the interval ones: on the last minute.
+SLO_WINDOW_S = 60.0
+# Requests kept per (service, SLO) for that judgement; beyond it, the oldest go.
+SLO_SAMPLES = 10_000
+
+
 class TraceCounters:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
+        # (service, slo) -> recent (request end, judged value), and its target
+        self._slo_samples: dict[tuple[str, str], deque[tuple[float, float]]] = {}
+        self._slo_targets: dict[tuple[str, str], float] = {}
         self._bounds = classic_bounds()
         self.received: dict[str, int] = {}          # transport -> spans accepted
         self.rejected: dict[tuple[str, str], int] = {}  # (transport, reason) -> export requests refused
@@ -45,12 +58,17 @@ class TraceCounters:
             key = (transport, reason)
             self.rejected[key] = self.rejected.get(key, 0) + 1
 
-    def add_request(self, service: str, runq_wait_s: float | None, breached: list[str]) -> None:
+    def add_request(self, service: str, runq_wait_s: float | None, slo: list[dict], end: float) -> None:
+        """One attributed request: its run-queue wait and its judged request
+        SLOs (`{name, target, value, ok}` as in the REQUEST document)."""
         with self._lock:
             self.requests[service] = self.requests.get(service, 0) + 1
-            for slo in breached:
-                key = (service, slo)
-                self.breaches[key] = self.breaches.get(key, 0) + 1
+            for judged in slo:
+                key = (service, judged["name"])
+                if not judged["ok"]:
+                    self.breaches[key] = self.breaches.get(key, 0) + 1
+                self._slo_samples.setdefault(key, deque(maxlen=SLO_SAMPLES)).append((end, judged["value"]))
+                self._slo_targets[key] = judged["target"]
             if runq_wait_s is not None:
                 counts, total = self._delay.setdefault(service, ([0] * (len(self._bounds) + 1), [0.0]))
                 counts[bisect.bisect_left(self._bounds, runq_wait_s)] += 1
@@ -63,6 +81,22 @@ class TraceCounters:
     def add_forward_dropped(self, reason: str, n: int) -> None:
         with self._lock:
             self.forward_dropped[reason] = self.forward_dropped.get(reason, 0) + n
+
+    def slo_status(self) -> dict[tuple[str, str], tuple[float, float | None, bool]]:
+        """(service, slo) -> (target, P99 of the requests that ended in the
+        last SLO_WINDOW_S, ok): a request SLO named *_p99 holds while that P99
+        is within the target (and, with no requests, trivially)."""
+        horizon = self._clock() - SLO_WINDOW_S
+        out = {}
+        with self._lock:
+            for key, samples in self._slo_samples.items():
+                while samples and samples[0][0] < horizon:
+                    samples.popleft()
+                target = self._slo_targets[key]
+                values = sorted(v for _, v in samples)
+                p99 = values[max(0, math.ceil(0.99 * len(values)) - 1)] if values else None
+                out[key] = (target, p99, p99 is None or p99 <= target)
+        return out
 
     def breach_counts(self) -> dict[tuple[str, str], int]:
         """(service, slo) -> requests that broke it, for other exporters."""

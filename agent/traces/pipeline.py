@@ -156,8 +156,7 @@ class RequestPipeline:
         slo = judge(span, self._slos, service)
         doc = request_document(span, service, item.origin.how, sched, slo, complete)
         self.store.add(doc)
-        self.counters.add_request(doc["service"], sched.runq_wait_seconds if sched else None,
-                                  [s["name"] for s in slo if not s["ok"]])
+        self.counters.add_request(doc["service"], sched.runq_wait_seconds if sched else None, slo, span.end)
         if self._sink is not None and item.proto is not None:
             self._sink.forward(*item.proto, extra=enrichment(doc))
 

@@ -257,9 +257,17 @@ def test_request_breaches_and_delay_reach_the_main_collector(traces):
     wait_for(lambda: store.query())
     # wired as the daemon wires them: one family per metric name
     families = {f.spec.name: f for f in compute(Store(60.0), Sources(
-        slo_breaches=counters.breach_counts, request_sched_delay=counters.delay_points))}
+        slo_breaches=counters.breach_counts, request_sched_delay=counters.delay_points,
+        request_slos=counters.slo_status))}
     [breach] = families["slatrace_slo_breaches"].points
     assert breach.labels == ("vllm", "request_e2e_p99") and breach.value == 1
+    # The request SLO is exported beside the interval ones (judged on the last
+    # minute; the recorded span ended long ago, so nothing is left to judge).
+    [target] = families["slatrace_slo_target_seconds"].points
+    [ok] = families["slatrace_slo_ok"].points
+    judged = store.query()[0]["slo"][0]
+    assert target.labels == ok.labels == ("vllm", "request_e2e_p99") and target.value == judged["target"]
+    assert ok.value == 1.0 and not families["slatrace_slo_value_seconds"].points
     [delay] = families["slatrace_request_sched_delay_seconds"].points
     runq = store.query()[0]["sched"]["runq_wait_seconds"]
     assert delay.count == 1 and delay.sum == pytest.approx(runq)

@@ -303,3 +303,25 @@ def test_request_store_bounds_and_queries():
     assert [d["request_id"] for d in store.query(since_s=7)] == ["r3", "r4"]
     now[0] = 1053.5
     assert store.get("r2") is None and store.get("r4") is not None
+
+
+def test_request_slo_status_is_the_p99_of_the_last_minute():
+    from agent.traces.metrics import SLO_WINDOW_S, TraceCounters
+
+    now = [1000.0]
+    counters = TraceCounters(clock=lambda: now[0])
+    # 200 requests: 198 fast, 2 slow; nearest-rank P99 of 200 is the 198th value.
+    for i in range(200):
+        e2e = 3.0 if i in (10, 20) else 0.5 + i / 1000
+        counters.add_request("vllm", 0.01, [{"name": "request_e2e_p99", "target": 2.0, "value": e2e,
+                                             "ok": e2e <= 2.0}], end=990.0 + i / 100)
+    target, p99, ok = counters.slo_status()[("vllm", "request_e2e_p99")]
+    assert (target, ok) == (2.0, True) and p99 == pytest.approx(0.5 + 199 / 1000)
+    assert counters.breach_counts() == {("vllm", "request_e2e_p99"): 2}
+    # One more slow request tips the P99 over the target.
+    counters.add_request("vllm", 0.01, [{"name": "request_e2e_p99", "target": 2.0, "value": 3.0,
+                                         "ok": False}], end=995.0)
+    assert counters.slo_status()[("vllm", "request_e2e_p99")] == (2.0, 3.0, False)
+    # A minute later nothing is left to judge: met, no value.
+    now[0] += SLO_WINDOW_S + 10
+    assert counters.slo_status()[("vllm", "request_e2e_p99")] == (2.0, None, True)
