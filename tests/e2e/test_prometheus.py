@@ -8,21 +8,19 @@ must agree with the agent's own quantile on the same samples.
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 import subprocess
 import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.support import kernel_unavailable, require_kernel
-from tests.support.agent import REPO, Agent, free_port, http_get
+from tests.support.agent import REPO, Agent, http_get
+from tests.support.prometheus import Prometheus, dashboard_targets, running_prometheus, substitute
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
 from tests.e2e.scenes import quota
 
@@ -34,54 +32,6 @@ WORKLOAD_S = 8.0
 PREFIX = "slatrace-e2e-"
 VICTIM, HOGS, IO = PREFIX + "victim", PREFIX + "hogs", PREFIX + "io"
 
-
-
-@dataclass
-class Prometheus:
-    url: str
-    proc: subprocess.Popen
-
-    def query(self, expr: str, at: float | None = None) -> list[dict]:
-        params = {"query": expr}
-        if at is not None:
-            params["time"] = f"{at:.3f}"
-        status, body = http_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}")
-        doc = json.loads(body)
-        assert status == 200 and doc["status"] == "success", (expr, status, doc)
-        return doc["data"]["result"]
-
-    def get(self, path: str) -> dict:
-        status, body = http_get(self.url + path)
-        assert status == 200, (path, status, body)
-        return json.loads(body)["data"]
-
-
-def _start_prometheus(tmp: Path, target: str) -> Prometheus:
-    port = free_port()
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES_DIR / "slatrace.rules.yaml")],
-        "scrape_configs": [{"job_name": "slatrace", "static_configs": [{"targets": [target]}]}],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT)
-    prom = Prometheus(f"http://127.0.0.1:{port}", proc)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prometheus exited: {(tmp / 'prometheus.log').read_text()}")
-        try:
-            if http_get(prom.url + "/-/ready", timeout=1.0)[0] == 200:
-                return prom
-        except OSError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("prometheus not ready after 30 s")
 
 
 @dataclass
@@ -110,45 +60,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         }))
         # 1.5 CPUs for the three hogs: still contending, also throttled (cgroup
         # v2 cpu.max, or a v1 cpu cgroup on hybrid hosts).
-        with quota(hogs, 150) as hogs_quota, Agent(config=cfg, interval=0.5) as agent:
-            instance = f"127.0.0.1:{agent.port}"
-            prom = _start_prometheus(tmp, instance)
-            try:
-                # Three hogs on two CPUs: the victim's every wakeup competes.
-                for _ in range(3):
-                    hogs.spawn(hogs_quota.wrap + hog_argv(), stdout=subprocess.DEVNULL)
-                io.spawn(iowait_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
-                v = victim.spawn(victim_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
-                v.wait(timeout=WORKLOAD_S + 30)
-                # Two more scrapes so the last intervals are in Prometheus.
-                time.sleep(2.5)
-                at = time.time()
-                status, body = http_get(agent.url + "/metrics")
-                assert status == 200
-                yield Run(agent, prom, instance, at, body.decode())
-            finally:
-                prom.proc.terminate()
-                try:
-                    prom.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    prom.proc.kill()
-                    prom.proc.wait()
-
-
-def _substitute(expr: str, instance: str) -> str:
-    """Grafana's variables, as the dashboard would send them for the test services."""
-    values = {"node": instance, "service": PREFIX + ".*",
-              "__rate_interval": "5s", "__interval": "1s", "__range": "30s", "datasource": "prometheus"}
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
-
-
-def _overview_targets() -> list[tuple[str, str]]:
-    dash = json.loads(OVERVIEW.read_text())
-    out = []
-    for panel in dash["panels"]:
-        for t in panel.get("targets", []):
-            out.append((f'{panel["title"]} [{t["refId"]}]', t["expr"]))
-    return out
+        with quota(hogs, 150) as hogs_quota, Agent(config=cfg, interval=0.5) as agent, \
+                running_prometheus(tmp, f"127.0.0.1:{agent.port}") as prom:
+            # Three hogs on two CPUs: the victim's every wakeup competes.
+            for _ in range(3):
+                hogs.spawn(hogs_quota.wrap + hog_argv(), stdout=subprocess.DEVNULL)
+            io.spawn(iowait_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
+            v = victim.spawn(victim_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
+            v.wait(timeout=WORKLOAD_S + 30)
+            # Two more scrapes so the last intervals are in Prometheus.
+            time.sleep(2.5)
+            at = time.time()
+            status, body = http_get(agent.url + "/metrics")
+            assert status == 200
+            yield Run(agent, prom, f"127.0.0.1:{agent.port}", at, body.decode())
 
 
 def test_dashboard_variables_find_the_agent_and_the_test_services(run: Run) -> None:
@@ -161,10 +86,10 @@ def test_dashboard_variables_find_the_agent_and_the_test_services(run: Run) -> N
 
 def test_every_overview_query_returns_series(run: Run) -> None:
     empty = []
-    targets = _overview_targets()
+    targets = dashboard_targets(OVERVIEW)
     assert len(targets) >= 20
     for title, expr in targets:
-        query = _substitute(expr, run.instance)
+        query = substitute(expr, run.instance, PREFIX + ".*")
         if not run.prom.query(query, at=run.at):
             empty.append((title, query))
     assert not empty, f"panels without data: {empty}"

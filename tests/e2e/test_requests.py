@@ -25,12 +25,14 @@ import pytest
 
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get
+from tests.support.prometheus import dashboard_targets, running_prometheus, substitute
 from tests.support.tracefs import SchedSwitch, SchedWakeup, TraceRecorder, switch_out_state
 from tests.support.workload import TestCgroup, hog_argv
 
 pytestmark = pytest.mark.e2e
 
 SERVER = Path(__file__).resolve().parents[1] / "support" / "inference_server.py"
+REQUESTS_DASHBOARD = REPO / "dashboards" / "slatrace-requests.json"
 SERVER_SERVICE = "infer-test"
 NOISY_SERVICE = "noisy-test"
 E2E_TARGET = 0.45
@@ -93,7 +95,8 @@ def scene(tmp_path_factory):
     grpc_port, http_port = free_port(), free_port()
     with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", "--otlp-http-listen", f"127.0.0.1:{http_port}",
                config=config, interval=0.5) as agent, \
-            TestCgroup("noisy") as noisy, TestCgroup("infer") as infer:
+            TestCgroup("noisy") as noisy, TestCgroup("infer") as infer, \
+            running_prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{agent.port}") as prom:
         # Three hogs share CPU 0 with the server, so the neighbour dominates that
         # CPU even when something else runs there too; one more keeps CPU 1 busy.
         for cpu in (0, 0, 0, 1) if (os.cpu_count() or 1) > 1 else (0, 0, 0):
@@ -120,12 +123,13 @@ def scene(tmp_path_factory):
             if wanted <= set(got) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        yield agent, runs, got, rec.events, offset_ns, noisy_tids
+        time.sleep(2.5)  # two more scrapes: the last requests are in Prometheus
+        yield agent, runs, got, rec.events, offset_ns, noisy_tids, (prom, time.time())
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_each_request_is_attributed_to_the_server_and_blames_the_neighbour(scene, protocol):
-    agent, runs, got, events, offset_ns, noisy_tids = scene
+    agent, runs, got, events, offset_ns, noisy_tids, _ = scene
     reqs, _ = runs[protocol]
     neighbour_first = []
     _, tids = runs[protocol]
@@ -165,7 +169,7 @@ def test_each_request_is_attributed_to_the_server_and_blames_the_neighbour(scene
 
 
 def test_runq_wait_matches_the_tracefs_reference(scene):
-    _, runs, got, events, offset_ns, noisy_tids = scene
+    _, runs, got, events, offset_ns, noisy_tids, _ = scene
     rows = []
     for protocol, (reqs, tids) in runs.items():
         for r in reqs:
@@ -237,3 +241,15 @@ def test_bad_input_keeps_the_daemon_serving(tmp_path):
         assert status == 404 and "no-such-request" in json.loads(body)["error"]
         status, body = http_get(agent.url + "/metrics")
         assert b'slatrace_otlp_rejected_requests_total{reason="too_large",transport="http"} 2.0' in body
+
+
+def test_every_requests_dashboard_query_returns_series(scene):
+    """The request-level dashboard, through a real Prometheus that scraped the
+    agent while the requests ran: every panel's query has data."""
+    agent, *_, (prom, at) = scene
+    instance = f"127.0.0.1:{agent.port}"
+    targets = dashboard_targets(REQUESTS_DASHBOARD)
+    assert len(targets) >= 10
+    empty = [(title, q) for title, expr in targets
+             if not prom.query(q := substitute(expr, instance, f"{SERVER_SERVICE}|{NOISY_SERVICE}", "30s"), at=at)]
+    assert not empty, f"panels without data: {empty}"
