@@ -100,20 +100,21 @@ class _ServiceSum:
         self.counters = [0, 0, 0, 0]  # migrations, untraced in/out/wakeup
         self.cgroups: set[int] = set()
 
+    @staticmethod
+    def _bump(table: dict, key: object, count: int, total: int) -> None:
+        """Add to a [count, sum] cell."""
+        cell = table.setdefault(key, [0, 0])
+        cell[0] += count
+        cell[1] += total
+
     def add_bucket(self, kind: int, slot: int, count: int, sum_ns: int) -> None:
-        b = self.hists[kind].setdefault(slot, [0, 0])
-        b[0] += count
-        b[1] += sum_ns
+        self._bump(self.hists[kind], slot, count, sum_ns)
 
     def add_pair(self, preemptor: str, count: int, wait_ns: int) -> None:
-        p = self.pairs.setdefault(preemptor, [0, 0])
-        p[0] += count
-        p[1] += wait_ns
+        self._bump(self.pairs, preemptor, count, wait_ns)
 
     def add_holder(self, holder: str, count: int, wait_ns: int) -> None:
-        p = self.holders.setdefault(holder, [0, 0])
-        p[0] += count
-        p[1] += wait_ns
+        self._bump(self.holders, holder, count, wait_ns)
 
     def add_interval(self, s: ServiceInterval) -> None:
         for kind, hist in ((HIST_RUNQ, s.runq), (HIST_IOWAIT, s.iowait)):
