@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import Agent
 from tests.support.tracefs import TraceRecorder, percentile, reference
 from tests.support.workload import (TestCgroup, hog_argv, read_schedstat, victim_argv,
@@ -18,13 +17,6 @@ from tests.support.workload import (TestCgroup, hog_argv, read_schedstat, victim
 pytestmark = pytest.mark.e2e
 
 VICTIM_SECONDS = 6.0
-
-
-@pytest.fixture
-def kernel() -> None:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
 
 
 def _run_victim(tmp_path, work_ms: float):

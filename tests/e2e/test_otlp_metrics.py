@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import Agent, free_port, http_get
 from tests.support.otlp_receiver import OtlpReceiver, Received, metric_points, number_value
 from tests.support.workload import TestCgroup, hog_argv, victim_argv
@@ -29,13 +28,6 @@ HISTOGRAMS = ("slatrace_runq_latency_seconds", "slatrace_iowait_seconds")
 COUNTERS = ("slatrace_runq_wait_seconds", "slatrace_preemptions", "slatrace_preempted_wait_seconds",
             "slatrace_migrations", "slatrace_bpf_events", "slatrace_bpf_map_errors")
 FULL_HISTORY_S = 100_000  # far beyond the test's life: the attribution API answers for all of it
-
-
-@pytest.fixture
-def kernel() -> None:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
 
 
 @contextlib.contextmanager

@@ -17,14 +17,12 @@ import random
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.support import kernel_unavailable, require_kernel
-from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get
+from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get, post_traces
 from tests.support.prometheus import dashboard_targets, running_prometheus, substitute
 from tests.support.tracefs import SchedSwitch, SchedWakeup, TraceRecorder, switch_out_state
 from tests.support.workload import TestCgroup, hog_argv
@@ -194,18 +192,6 @@ def test_runq_wait_matches_the_tracefs_reference(scene):
             assert ref / 3 <= agent_s <= ref * 3, (rid, agent_s, ref)
 
 
-def post_traces(port: int, body: bytes, content_type: str, encoding: str | None = None) -> int:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/traces", data=body, method="POST")
-    req.add_header("Content-Type", content_type)
-    if encoding:
-        req.add_header("Content-Encoding", encoding)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def test_bad_input_keeps_the_daemon_serving(tmp_path):
     reason = kernel_unavailable()
     if reason:
@@ -228,14 +214,14 @@ def test_bad_input_keeps_the_daemon_serving(tmp_path):
             (gzip.compress(b"\0" * (64 << 20)), "application/x-protobuf", "gzip", 413),  # gzip bomb
         ]
         for body, ctype, enc, status in cases:
-            assert post_traces(http_port, body, ctype, enc) == status, (ctype, enc)
+            assert post_traces(http_port, body, ctype, enc)[0] == status, (ctype, enc)
             assert http_get(agent.url + "/readyz")[0] == 200
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
             with pytest.raises(grpc.RpcError) as e:
                 export(b"\x0a\xff\xff\xff\xff\x0f\x00", timeout=5)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert post_traces(http_port, fixture, "application/json") == 200
+        assert post_traces(http_port, fixture, "application/json")[0] == 200
         assert http_get(agent.url + "/readyz")[0] == 200
         status, body = http_get(agent.url + "/api/v1/requests/no-such-request")
         assert status == 404 and "no-such-request" in json.loads(body)["error"]

@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from tests.support import kernel_unavailable, require_kernel
 from tests.support.tracefs import (SchedSwitch, TraceEvent, TraceRecorder, parse_lines,
                                    percentile, reference)
 from tests.support.workload import (TestCgroup, hog_argv, iowait_argv, read_ctxt_switches,
@@ -24,13 +23,6 @@ VICTIM_SECONDS = 5.0
 # Bursts longer than the scheduler's slice, so the hogs also take the CPU
 # from the victim mid-burst, not only make it wait after each wakeup.
 VICTIM_WORK_MS = 2.0
-
-
-@pytest.fixture
-def kernel() -> None:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
 
 
 def _ms(ns: float) -> float:

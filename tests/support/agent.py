@@ -31,6 +31,19 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+def post_traces(port: int, body: bytes, content_type: str, encoding: str | None = None) -> tuple[int, bytes]:
+    """POST an OTLP/HTTP trace export to /v1/traces: (status, body)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/traces", data=body, method="POST")
+    req.add_header("Content-Type", content_type)
+    if encoding:
+        req.add_header("Content-Encoding", encoding)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 class Agent:
     """A running `slatrace run`; use as a context manager."""
 

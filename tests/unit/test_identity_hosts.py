@@ -13,6 +13,7 @@ from agent.identity.docker import DockerNames, docker_container_id
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import Service, ServiceResolver, identify
 from agent.identity.systemd import systemd_unit
+from tests.support.fake_host import make_cgroup_dir
 
 CID = "4f3c2b1a0e9d8c7b6a5f4e3d2c1b0a9f8e7d6c5b4a3f2e1d0c9b8a7f6e5d4c3b"
 
@@ -60,18 +61,10 @@ def test_docker_names_from_state_files(tmp_path: Path) -> None:
     assert names.name_of("bad") is None and names.errors == 1
 
 
-def _make(root: Path, rel: str, pids: list[int] = ()) -> int:
-    d = root / rel.strip("/")
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
-    (d / "cgroup.threads").write_text("".join(f"{p}\n" for p in pids))
-    return d.stat().st_ino
-
-
 def test_resolver_sources_and_systemd_rule(tmp_path: Path) -> None:
     root = tmp_path / "cg"
     write_docker_state(tmp_path / "docker", CID, "web")
-    ids = {p: _make(root, p, [10 + i]) for i, p in enumerate(
+    ids = {p: make_cgroup_dir(root, p, [10 + i]) for i, p in enumerate(
         ["/", "/system.slice/nginx.service", "/system.slice/cron.service",
          f"/system.slice/docker-{CID}.scope", "/batch/etl"])}
     r = ServiceResolver([ServiceRule(name="web-tier", systemd_unit="nginx.*")], CgroupPaths(root),
@@ -87,8 +80,8 @@ def test_resolver_sources_and_systemd_rule(tmp_path: Path) -> None:
 def test_vanished_services_are_dropped_after_retention(tmp_path: Path) -> None:
     root = tmp_path / "cg"
     now = [0.0]
-    gone_id = _make(root, "/gone", [5])
-    stay_id = _make(root, "/stay", [6])
+    gone_id = make_cgroup_dir(root, "/gone", [5])
+    stay_id = make_cgroup_dir(root, "/stay", [6])
     r = ServiceResolver([], CgroupPaths(root, clock=lambda: now[0]), retention_s=120.0,
                         process_info=lambda pids: [], clock=lambda: now[0])
     r.service_of(gone_id)
@@ -103,7 +96,7 @@ def test_vanished_services_are_dropped_after_retention(tmp_path: Path) -> None:
     # Still listed within the retention window.
     r2 = ServiceResolver([], CgroupPaths(root, clock=lambda: now[0]), retention_s=900.0,
                          process_info=lambda pids: [], clock=lambda: now[0])
-    again = _make(root, "/gone", [5])
+    again = make_cgroup_dir(root, "/gone", [5])
     r2.service_of(again)
     for f in (root / "gone").iterdir():
         f.unlink()

@@ -19,6 +19,7 @@ from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex, parse_kubepods_path, pod_info, workload_name
 from agent.identity.services import Service, ServiceResolver, identify
+from tests.support.fake_host import make_cgroup_dir
 
 FIXTURES = Path(__file__).parent / "fixtures" / "k8s"
 PODS = json.loads((FIXTURES / "pods.json").read_text())["items"]
@@ -115,17 +116,9 @@ def test_index_follows_watch_events(index: PodIndex) -> None:
     assert pod_info({"metadata": {"name": "x"}}) is None  # no UID: ignored
 
 
-def _make(root: Path, rel: str, pids: list[int] = ()) -> int:
-    d = root / rel.strip("/")
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "cgroup.procs").write_text("".join(f"{p}\n" for p in pids))
-    (d / "cgroup.threads").write_text("".join(f"{p}\n" for p in pids))
-    return d.stat().st_ino
-
-
 def test_resolver_names_pods_and_applies_k8s_rules(tmp_path: Path, index: PodIndex) -> None:
     root = tmp_path / "cg"
-    ids = {r[0]: _make(root, r[0], [100 + i]) for i, r in enumerate(ROWS)}
+    ids = {r[0]: make_cgroup_dir(root, r[0], [100 + i]) for i, r in enumerate(ROWS)}
     rules = [
         ServiceRule(name="llm-server", k8s_namespace="inference", k8s_container="vllm"),
         ServiceRule(name="exporters", k8s_pod="node-exporter-*"),

@@ -12,8 +12,6 @@ import json
 import random
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -41,6 +39,7 @@ from agent.traces.receiver_grpc import SERVICE, GrpcReceiver
 from agent.traces.receiver_http import HttpReceiver
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import attributes, iter_spans
+from tests.support.agent import post_traces
 from tests.support.otlp_receiver import OtlpReceiver
 
 FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
@@ -144,7 +143,7 @@ def test_requests_wait_until_their_end_is_covered(traces):
     pipeline.stop()  # drive process() by hand
     sched.covered = 0.0
     body = (FIXTURES / "vllm_llm_request_v1.json").read_bytes()
-    status, _ = post(http_rx.port, body, "application/json")
+    status, _ = post_traces(http_rx.port, body, "application/json")
     assert status == 200
     assert pipeline.pending() == 1 and pipeline.process() == 0 and not store.query()
     sched.covered = 1764680001.9   # just before the span's end (…01.9075)
@@ -157,7 +156,7 @@ def test_requests_wait_until_their_end_is_covered(traces):
 
 def test_api_routes_list_filter_and_404(traces):
     _, _, store, _, _, http_rx = traces
-    post(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
+    post_traces(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
     wait_for(lambda: store.query())
     routes = request_routes(store)
     # The fixture span ended 58 s before the store's clock.
@@ -170,19 +169,6 @@ def test_api_routes_list_filter_and_404(traces):
     assert missing.status == 404 and "nope" in json.loads(missing.body)["error"]
     assert routes["/api/v1/requests"]({"since": ["-1"]}).status == 400
     assert routes["/api/v1/requests"]({"breached": ["maybe"]}).status == 400
-
-
-def post(port: int, body: bytes, content_type: str, encoding: str | None = None,
-         length: int | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/traces", data=body, method="POST")
-    req.add_header("Content-Type", content_type)
-    if encoding:
-        req.add_header("Content-Encoding", encoding)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def reason_of(status_body: bytes, is_json: bool) -> str:
@@ -211,12 +197,12 @@ def test_http_bad_input_gets_the_right_status_and_the_receiver_keeps_serving(tra
         (b"not gzip at all", "application/json", "gzip", 400, "gzip"),
     ]
     for body, ctype, enc, status, words in cases:
-        got, resp = post(http_rx.port, body, ctype, enc)
+        got, resp = post_traces(http_rx.port, body, ctype, enc)
         assert got == status, (ctype, enc, words, resp)
         assert words in reason_of(resp, ctype == "application/json"), resp
     # Still serving, in both encodings, with gzip.
-    assert post(http_rx.port, gzip.compress(good_pb), "application/x-protobuf", "gzip")[0] == 200
-    status, resp = post(http_rx.port, good_json, "application/json")
+    assert post_traces(http_rx.port, gzip.compress(good_pb), "application/x-protobuf", "gzip")[0] == 200
+    status, resp = post_traces(http_rx.port, good_json, "application/json")
     assert status == 200 and json.loads(resp) == {}
     wait_for(lambda: store.get("cmpl-8c5d1c2e4b7a4f0e9d3b6a1f2e7c9d40"))
     assert sum(counters.rejected.values()) == len(cases)
@@ -229,7 +215,7 @@ def test_http_random_bytes_are_refused(traces):
     refused = 0
     for _ in range(20):
         body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
-        status, _ = post(http_rx.port, body, "application/x-protobuf")
+        status, _ = post_traces(http_rx.port, body, "application/x-protobuf")
         # Protobuf is permissive: a few random byte strings are valid (empty) requests.
         assert status in (200, 400)
         refused += status == 400
@@ -253,7 +239,7 @@ def test_grpc_malformed_and_oversized_messages(traces):
 
 def test_request_breaches_and_delay_reach_the_main_collector(traces):
     _, _, store, counters, _, http_rx = traces
-    post(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
+    post_traces(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
     wait_for(lambda: store.query())
     # wired as the daemon wires them: one family per metric name
     families = {f.spec.name: f for f in compute(Store(60.0), Sources(
