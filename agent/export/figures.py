@@ -15,7 +15,7 @@ docs are complete) but carries no points.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from agent import __version__
@@ -107,12 +107,14 @@ class Sources:
     slo_breaches: (service, slo name) -> intervals or requests that broke it;
       several sources (interval and request SLOs) combine with summed().
     request_sched_delay: service -> per-request run-queue wait, as a log-linear
-      Histogram or already bucketed on classic_bounds() (a HistogramPoint).
+      Histogram or already bucketed on `bounds` (a HistogramPoint).
+    bounds: the classic bucket bounds of every exported histogram.
     agent_stats: self-metrics of the daemon's loop, by metric name
       (slatrace_poll_duration_seconds, slatrace_poll_errors).
     """
 
     slos: tuple[Slo, ...] = ()
+    bounds: tuple[float, ...] = field(default_factory=classic_bounds)
     throttled_seconds: Callable[[], Mapping[str, float]] | None = None
     slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
     request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
@@ -228,7 +230,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     window = store.window(QUANTILE_WINDOW_S, now=now)
     totals = store.totals()
     services = sorted(totals)
-    bounds = classic_bounds()
+    bounds = sources.bounds
     points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
 
     for s in services:
@@ -279,7 +281,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         for s, h in sorted(sources.request_sched_delay().items()):
             if isinstance(h, HistogramPoint):
                 if h.bounds != bounds:
-                    raise ValueError(f"request delay histogram of {s!r} is not bucketed on classic_bounds()")
+                    raise ValueError(f"request delay histogram of {s!r} is not bucketed on the exported bounds")
                 points[REQUEST_SCHED_DELAY.name].append(HistogramPoint((s,), h.bounds, h.cumulative, h.sum))
             else:
                 points[REQUEST_SCHED_DELAY.name].append(histogram_point((s,), h, bounds))

@@ -200,17 +200,28 @@ def _single_value(slot: int, b: Bucket) -> int | None:
     return value if lo <= value < hi else None
 
 
-def classic_bounds() -> tuple[float, ...]:
+# Classic bucket resolutions offered to exporters: bounds per power of two.
+BUCKETS_PER_OCTAVE = (1, 2, 4, 8)
+DEFAULT_BUCKETS_PER_OCTAVE = 2
+
+
+def classic_bounds(per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE) -> tuple[float, ...]:
     """Prometheus bucket upper bounds (seconds), the same for every service.
 
-    2^k and 2^k*(1+7/16) ns for k = 13..33, then 2^34 ns: 8.2 µs to 17 s at
-    roughly 1.4x steps. Every bound is a slot boundary, so the count at a bound
-    is exact rather than re-estimated from a slot that straddles it.
+    Within each power of two 2^k ns, k = 13..33, the slot boundaries nearest
+    to 2^k * 2^(i/per_octave), then 2^34 ns: 8.2 µs to 17 s. Every bound is a
+    slot boundary, so the count at a bound is exact rather than re-estimated
+    from a slot that straddles it. Two per octave (2^k and 2^k*(1+7/16), steps
+    of ~1.4x) give 43 bounds; four (1, 1+3/16, 1+7/16, 1+11/16) give 85, and
+    contain the two-per-octave set.
     """
+    if per_octave not in BUCKETS_PER_OCTAVE:
+        raise ValueError(f"buckets per octave must be one of {BUCKETS_PER_OCTAVE}, got {per_octave!r}")
+    subs = [round(HIST_SUB * (2 ** (i / per_octave) - 1)) for i in range(per_octave)]
     bounds: list[float] = []
     for k in range(13, 34):
-        bounds.append((1 << k) / _NS_PER_S)
-        bounds.append(((1 << k) + 7 * (1 << (k - HIST_SUB_SHIFT))) / _NS_PER_S)
+        for j in subs:
+            bounds.append(((1 << k) + j * (1 << (k - HIST_SUB_SHIFT))) / _NS_PER_S)
     bounds.append((1 << 34) / _NS_PER_S)
     return tuple(bounds)
 

@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlparse

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from agent.export.figures import HistogramPoint
@@ -32,13 +32,14 @@ SLO_SAMPLES = 10_000
 
 
 class TraceCounters:
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time,
+                 bounds: tuple[float, ...] | None = None) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         # (service, slo) -> recent (request end, judged value), and its target
         self._slo_samples: dict[tuple[str, str], deque[tuple[float, float]]] = {}
         self._slo_targets: dict[tuple[str, str], float] = {}
-        self._bounds = classic_bounds()
+        self._bounds = classic_bounds() if bounds is None else bounds
         self.received: dict[str, int] = {}          # transport -> spans accepted
         self.rejected: dict[tuple[str, str], int] = {}  # (transport, reason) -> export requests refused
         self.requests: dict[str, int] = {}          # service -> request spans attributed
@@ -104,7 +105,7 @@ class TraceCounters:
             return dict(self.breaches)
 
     def delay_points(self) -> dict[str, HistogramPoint]:
-        """service -> per-request run-queue wait, bucketed on classic_bounds(),
+        """service -> per-request run-queue wait, bucketed on the exported bounds,
         in the form the main collector exports."""
         return {s: HistogramPoint((s,), self._bounds, tuple(n for _, n in cumulative) + (count,), total)
                 for s, (cumulative, count, total) in self.delay_histograms().items()}

@@ -14,6 +14,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
+from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.traces.api import request_routes
 from agent.traces.identity import SpanServices
@@ -50,7 +51,7 @@ class Traces:
         otlp_protocol: str | None = None,
         limits: Limits = Limits(),
     ) -> None:
-        self.counters = TraceCounters()
+        self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention)
         self.forwarder = None
         if otlp_endpoint:

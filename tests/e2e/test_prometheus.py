@@ -8,6 +8,7 @@ must agree with the agent's own quantile on the same samples.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from agent.store.histogram import classic_bounds
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import REPO, Agent, http_get
 from tests.support.prometheus import Prometheus, dashboard_targets, running_prometheus, substitute
@@ -31,7 +34,6 @@ RULES_DIR = REPO / "deploy" / "rules"
 WORKLOAD_S = 8.0
 PREFIX = "slatrace-e2e-"
 VICTIM, HOGS, IO = PREFIX + "victim", PREFIX + "hogs", PREFIX + "io"
-
 
 
 @dataclass
@@ -57,6 +59,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             "services": [{"name": VICTIM, "cgroup": victim.path}, {"name": HOGS, "cgroup": hogs.path},
                          {"name": IO, "cgroup": io.path}],
             "slos": [{"service": VICTIM, "runq_p99": 0.0001}],
+            # The finer resolution: histogram_quantile is checked on it, and on
+            # the default 43 bounds, a subset of its buckets.
+            "buckets_per_octave": 4,
         }))
         # 1.5 CPUs for the three hogs: still contending, also throttled (cgroup
         # v2 cpu.max, or a v1 cpu cgroup on hybrid hosts).
@@ -106,14 +111,17 @@ def test_test_services_show_the_contention(run: Run) -> None:
     assert waits[VICTIM] > 0.0
     # The victim sleeps 1 ms and runs 0.3 ms: it is rarely switched out
     # involuntarily, so its wait comes after wakeups, behind whoever held the
-    # CPU. Blame counts both kinds; the hogs must lead it.
+    # CPU (the hogs, but also the I/O workload's writer). Blame counts both
+    # kinds, and together they cannot exceed the victim's whole wait.
     behind: dict[str, float] = {}
     for metric in ("slatrace_wakeup_wait_seconds_total", "slatrace_preempted_wait_seconds_total"):
         rows = run.prom.query(f'sum by (by_service) ({metric}{{instance=~"{inst}", service="{VICTIM}", '
                               f'by_service!="idle"}})', at=run.at)
         for r in rows:
             behind[r["metric"]["by_service"]] = behind.get(r["metric"]["by_service"], 0.0) + float(r["value"][1])
-    assert max(behind, key=behind.get) == HOGS, behind
+    total = run.prom.query(f'slatrace_runq_wait_seconds_total{{instance=~"{inst}", service="{VICTIM}"}}', at=run.at)
+    assert sum(behind.values()) <= float(total[0]["value"][1]) * 1.001, (behind, total)
+    assert behind.get(HOGS, 0.0) >= 0.2 * sum(behind.values()), behind
     # Three CPU-bound hogs on two CPUs preempt one another at every tick.
     by = run.prom.query(f'sum by (by_service) (slatrace_preemptions_total{{instance=~"{inst}", '
                         f'service="{HOGS}"}})', at=run.at)
@@ -122,32 +130,54 @@ def test_test_services_show_the_contention(run: Run) -> None:
     assert io and float(io[0]["value"][1]) > 0
 
 
+def _le_values(metrics: str, family: str, service: str) -> list[str]:
+    """The `le` label values of one service's histogram, as exported."""
+    out = []
+    for fam in text_string_to_metric_families(metrics):
+        for sample in fam.samples:
+            if sample.name == family + "_bucket" and sample.labels.get("service") == service:
+                out.append(sample.labels["le"])
+    return out
+
+
 def test_histogram_quantile_agrees_with_the_agent_quantile(run: Run) -> None:
     """Same samples, two computations: Prometheus' interpolation over the
-    exported ~1.4x buckets vs the agent's over its 1/16-octave slots.
+    exported buckets vs the agent's over its 1/16-octave slots.
 
-    The agent has run for less than its 60 s quantile window, so the
-    quantile gauge and the cumulative buckets cover the same samples; both
-    are read from the same scrape.
+    The agent exports 85 bounds (buckets_per_octave: 4); the default 43 are a
+    subset of them, so one run measures both: the default by selecting its
+    `le` values. The agent has run for less than its 60 s quantile window, so
+    the quantile gauge and the cumulative buckets cover the same samples;
+    both are read from the same scrape.
     """
     assert time.monotonic() - run.agent.started_at < 55, "the test outgrew the agent's 60 s quantile window"
+    les = _le_values(run.metrics, "slatrace_runq_latency_seconds", VICTIM)
+    assert len(les) == len(classic_bounds(4)) + 1
+    default = {b for b in classic_bounds(2)}
+    coarse = [le for le in les if le == "+Inf" or float(le) in default]
+    assert len(coarse) == len(classic_bounds(2)) + 1
     sel = f'instance="{run.instance}", service="{VICTIM}"'
-    errors = {}
+    errors: dict[str, dict[float, tuple[float, float, float]]] = {"85 bounds": {}, "43 bounds": {}}
     for q in (0.5, 0.95, 0.99):
-        via_buckets = run.prom.query(f"histogram_quantile({q}, slatrace_runq_latency_seconds_bucket{{{sel}}})",
-                                     at=run.at)
         agent_q = run.prom.query(f'slatrace_runq_latency_quantile_seconds{{{sel}, quantile="{q}"}}', at=run.at)
-        assert via_buckets and agent_q, q
-        hq, aq = float(via_buckets[0]["value"][1]), float(agent_q[0]["value"][1])
+        assert agent_q, q
+        aq = float(agent_q[0]["value"][1])
         assert aq > 0
-        errors[q] = (hq, aq, abs(hq - aq) / aq)
-    print("histogram_quantile vs agent quantile (victim):",
-          {q: f"{hq * 1e6:.1f} us vs {aq * 1e6:.1f} us ({e:.1%})" for q, (hq, aq, e) in errors.items()})
-    # Two bounds per octave (ratio 1.44/1.39): Prometheus' linear
-    # interpolation inside one bucket has been measured up to ~16% off on this
-    # workload (docs/metrics.md), so the bound is 20%. The agent's own
-    # quantiles (this gauge, the API) are the precise ones.
-    assert all(e <= 0.20 for _, _, e in errors.values()), errors
+        for name, le_match in (("85 bounds", ""), ("43 bounds", ', le=~`' + "|".join(re.escape(x) for x in coarse) + '`')):
+            via_buckets = run.prom.query(
+                f"histogram_quantile({q}, slatrace_runq_latency_seconds_bucket{{{sel}{le_match}}})", at=run.at)
+            assert via_buckets, (name, q)
+            hq = float(via_buckets[0]["value"][1])
+            errors[name][q] = (hq, aq, abs(hq - aq) / aq)
+    for name, by_q in errors.items():
+        print(f"histogram_quantile vs agent quantile (victim), {name}:",
+              {q: f"{hq * 1e6:.1f} us vs {aq * 1e6:.1f} us ({e:.1%})" for q, (hq, aq, e) in by_q.items()})
+    # Four bounds per octave (steps of ~1.2x): within 10%, as the synthetic
+    # distributions of docs/metrics.md predict.
+    assert all(e <= 0.10 for _, _, e in errors["85 bounds"].values()), errors
+    # The default two per octave (~1.4x): measured up to ~16% off on this
+    # workload's narrow wake-up peak (docs/metrics.md), so the bound is 20%.
+    assert all(e <= 0.20 for _, _, e in errors["43 bounds"].values()), errors
 
 
 def test_rules_load_and_evaluate_on_real_data(run: Run) -> None:

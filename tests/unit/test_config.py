@@ -72,7 +72,7 @@ def test_defaults_yaml_and_no_file_give_config_defaults() -> None:
     assert load_config(None) == Config()
     assert Config() == Config(interval=1.0, retention=900.0, max_services=500)
     # The embedded file documents every top-level key it defaults.
-    for key in ("interval:", "retention:", "max_services:", "services:", "slos:"):
+    for key in ("interval:", "retention:", "max_services:", "buckets_per_octave:", "services:", "slos:"):
         assert key in DEFAULT_CONFIG_YAML
 
 
@@ -130,7 +130,7 @@ def test_results_are_frozen() -> None:
         (
             "intervall: 2",
             "config.yaml: unknown key 'intervall' "
-            "(known keys: interval, retention, max_services, services, slos)",
+            "(known keys: interval, retention, max_services, buckets_per_octave, services, slos)",
         ),
         (
             "services:\n  - name: a\n    comm: x\n  - name: b\n    cgroup: 3\n",
@@ -203,6 +203,14 @@ def test_results_are_frozen() -> None:
         (
             "max_services: 0",
             "config.yaml: max_services: expected a whole number of at least 1, got 0",
+        ),
+        (
+            "buckets_per_octave: 3",
+            "config.yaml: buckets_per_octave: expected one of 1, 2, 4, 8, got 3",
+        ),
+        (
+            "buckets_per_octave: four",
+            "config.yaml: buckets_per_octave: expected one of 1, 2, 4, 8, got 'four'",
         ),
         (
             "max_services: 2.5",

@@ -230,6 +230,30 @@ def test_classic_bounds_are_slot_boundaries() -> None:
         assert slot_bounds(slot_of(ns))[0] == ns
 
 
+@pytest.mark.parametrize("per_octave, n", [(1, 22), (2, 43), (4, 85), (8, 169)])
+def test_finer_bounds_are_slot_boundaries_and_refine_the_default(per_octave: int, n: int) -> None:
+    bounds = classic_bounds(per_octave)
+    assert len(bounds) == n
+    assert list(bounds) == sorted(set(bounds))
+    assert bounds[0] == pytest.approx(8192e-9) and bounds[-1] == pytest.approx((1 << 34) * 1e-9)
+    for b in bounds:
+        ns = round(b * 1e9)
+        assert slot_bounds(slot_of(ns))[0] == ns
+    # Each step is within one slot of the geometric one: 2^(1/per_octave).
+    ratio = 2 ** (1 / per_octave)
+    for lo, hi in zip(bounds, bounds[1:]):
+        assert abs(hi / lo - ratio) <= 1 / 16 + 1e-9, (lo, hi)
+    coarser = {1: (), 2: (1,), 4: (1, 2), 8: (1, 2, 4)}[per_octave]
+    for c in coarser:
+        assert set(classic_bounds(c)) <= set(bounds)
+
+
+def test_bounds_refuse_other_resolutions() -> None:
+    for bad in (0, 3, 16):
+        with pytest.raises(ValueError, match="buckets per octave"):
+            classic_bounds(bad)
+
+
 def test_cumulative_counts_against_raw_values() -> None:
     rng = random.Random(11)
     values = _lognormal(rng, 300_000, 2.0, 50_000)

@@ -159,6 +159,28 @@ def test_bucket_counts_equal_brute_force_counts(scenario) -> None:
             assert _samples(last, family, "_sum")[(("service", service),)] == pytest.approx(sum(values) / 1e9)
 
 
+def test_finer_bounds_export_exact_counts_for_every_histogram(scenario) -> None:
+    """buckets_per_octave: 4 — every histogram, request delays included, on
+    the 85 finer bounds, each count still exact."""
+    store, rec, _ = scenario
+    bounds = classic_bounds(4)
+    delay = Histogram.from_ns([20_000, 20_000, 2_000_000])
+    fams = _scrape(SlatraceCollector(store, sources=Sources(bounds=bounds, request_sched_delay=lambda: {"api": delay})))
+    for family, raw in (("slatrace_runq_latency_seconds", rec.runq), ("slatrace_iowait_seconds", rec.iowait)):
+        buckets = _samples(fams, family, "_bucket")
+        for cg, values in raw.items():
+            got = {float(dict(k)["le"]): v for k, v in buckets.items() if dict(k)["service"] == NAMES[cg]}
+            assert sorted(got) == sorted(bounds) + [math.inf]
+            for le, count in got.items():
+                bound_ns = math.inf if math.isinf(le) else round(le * 1e9)
+                assert count == sum(1 for v in values if v < bound_ns), (NAMES[cg], le)
+    delays = _samples(fams, "slatrace_request_sched_delay_seconds", "_bucket")
+    assert len(delays) == len(bounds) + 1
+    # 20 µs lies between the four-per-octave bounds 19.46 µs and 23.55 µs.
+    assert delays[(("le", "1.9456e-05"), ("service", "api"))] == 0
+    assert delays[(("le", "2.3552e-05"), ("service", "api"))] == 2
+
+
 def test_counters_equal_raw_totals_and_never_decrease(scenario) -> None:
     _, rec, scrapes = scenario
     last = scrapes[-1]
