@@ -32,8 +32,8 @@ from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
 from agent.store.events import EventLog
-from agent.store.store import Store
 from agent.store.histogram import classic_bounds
+from agent.store.store import Store
 from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 
 if TYPE_CHECKING:
@@ -111,7 +111,8 @@ class Daemon:
         # One family per metric name: request SLO breaches (counted by the
         # traces subsystem) are added to interval breaches here.
         self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
-            slos=config.slos, bounds=classic_bounds(config.buckets_per_octave), throttled_seconds=self.throttle.totals,
+            slos=config.slos, bounds=classic_bounds(config.buckets_per_octave),
+            throttled_seconds=self.throttle.totals,
             slo_breaches=summed(self.breaches.totals, self._request_breaches),
             request_sched_delay=self._request_delays, request_slos=self._request_slos)))
         self._probe = None
