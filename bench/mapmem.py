@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# struct htab_elem (hash node, LRU node or per-CPU pointer, hash) plus the
-# bucket array and allocator slack, per element; an approximation.
-ELEM_OVERHEAD = 64
+# struct htab_elem (hash node, LRU node or per-CPU pointer, hash) per element,
+# and struct bucket (list head and lock) per hash bucket; the kernel's own
+# memlock figures here (6.x) match these to the byte for every hash map.
+ELEM_OVERHEAD = 48
+BUCKET = 16
 PERCPU_HASH = {"percpu_hash", "lru_percpu_hash"}
 HASH = {"hash", "lru_hash"}
 PERCPU_ARRAY = {"percpu_array"}
@@ -40,24 +42,28 @@ class MapInfo(MapShape):
 
 
 def map_bytes(m: MapShape, cpus: int) -> int:
-    """Approximate bytes of one map on a host with `cpus` possible CPUs.
+    """Bytes of one map on a host with `cpus` possible CPUs.
 
-    per-CPU hash: entries x round8(value) x CPUs + entries x (round8(key) + 64)
-    hash / LRU:   entries x (round8(key) + round8(value) + 64)
+    buckets:      next_pow2(entries) x 16
+    per-CPU hash: entries x (48 + round8(key) + 8) + entries x round8(value) x CPUs + buckets
+    hash:         (entries + CPUs) x (48 + round8(key) + round8(value)) + buckets
+                  (a preallocated hash keeps one spare element per CPU)
+    LRU hash:     entries x (48 + round8(key) + round8(value)) + buckets
     arrays:       entries x round8(value) (x CPUs when per-CPU)
     ring buffer:  max_entries is its size in bytes
     """
     n = m.max_entries
     if m.type in RINGBUF:
         return n
-    if m.type in PERCPU_HASH:
-        return n * round8(m.value_size) * cpus + n * (round8(m.key_size) + ELEM_OVERHEAD)
     if m.type in PERCPU_ARRAY:
         return n * round8(m.value_size) * cpus
     if m.type in ARRAY:
         return n * round8(m.value_size)
-    # hash, lru_hash and anything unknown: one element per entry
-    return n * (round8(m.key_size) + round8(m.value_size) + ELEM_OVERHEAD)
+    buckets = (1 << max(n - 1, 0).bit_length()) * BUCKET
+    if m.type in PERCPU_HASH:
+        return n * (ELEM_OVERHEAD + round8(m.key_size) + 8) + n * round8(m.value_size) * cpus + buckets
+    elems = n if m.type.startswith("lru") else n + cpus
+    return elems * (ELEM_OVERHEAD + round8(m.key_size) + round8(m.value_size)) + buckets
 
 
 def total_bytes(maps: list[MapShape], cpus: int) -> int:

@@ -8,7 +8,7 @@
  *   PREEMPT_BIT   sched_switch prev_state bit of an involuntary switch
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
- *   MAX_TASKS, MAX_HIST, MAX_PAIRS, MAX_CGROUPS   map sizes
+ *   MAX_TASKS, MAX_HIST, MAX_BLAME, MAX_CGROUPS, MAX_WATCHED   map sizes
  *   EVENT_PAGES     ring buffer size in pages (a power of two)
  *   MAX_EVENT_RATE  events per CPU per ~1.07 s (2^30 ns) window
  */
@@ -17,19 +17,19 @@
 /* Per-task state machine, keyed by tid. LRU so that exits we miss and PID
  * reuse can never fill it. */
 BPF_TABLE("lru_hash", u32, struct task_info, tasks, MAX_TASKS);
-/* Counters: per CPU, so the hot path needs no atomics. User space sums CPUs. */
-BPF_TABLE("percpu_hash", struct hist_key, struct hist_val, hists, MAX_HIST);
-BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, pairs, MAX_PAIRS);
-/* Waits after a wakeup, by the cgroup that held the CPU until the waiter got
- * it (victim_cgid, holder as preemptor_cgid; 0 = the CPU was idle). */
-BPF_TABLE("percpu_hash", struct pair_key, struct pair_val, holders, MAX_PAIRS);
-BPF_TABLE("percpu_hash", u64, struct cgroup_val, cgroups, MAX_CGROUPS);
+/* Counting maps, drained every interval (see sched.h). Shared between CPUs and
+ * bumped with atomic adds: per-CPU values would multiply their memory by the
+ * number of possible CPUs (64 x 16 bytes per histogram slot), which a node
+ * with a thousand services cannot afford. */
+BPF_TABLE("hash", struct hist_key, struct hist_val, hists, MAX_HIST);
+BPF_TABLE("hash", struct blame_key, struct blame_val, blame, MAX_BLAME);
+BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
+BPF_TABLE("array", u32, struct ctl, ctl, 1);
 
-/* Exact per-wait events, only for cgroups user space watches. watch_on[0] is
- * zero until something is watched, so hosts without request spans pay one
- * array lookup (inlined by the verifier) per wait and nothing more. */
-BPF_TABLE("array", u32, u32, watch_on, 1);
+/* Exact per-wait events, only for cgroups user space watches. ctl.watch_on is
+ * zero until something is watched, so hosts without request spans pay
+ * nothing more than the ctl lookup every program does anyway. */
 BPF_TABLE("hash", u64, u8, watched, MAX_WATCHED);
 BPF_TABLE("percpu_array", u32, struct event_rate, event_rates, 1);
 BPF_RINGBUF_OUTPUT(events, EVENT_PAGES);
@@ -39,6 +39,18 @@ static __always_inline void count_error(u32 which)
     u64 *e = errors.lookup(&which);
     if (e)
         (*e)++;
+}
+
+/* The control word. An array lookup with a constant key: the verifier inlines
+ * it into a pointer computation. Never NULL for index 0, checked anyway. */
+static __always_inline struct ctl read_ctl(void)
+{
+    u32 zero = 0;
+    struct ctl *c = ctl.lookup(&zero);
+    struct ctl out = {};
+    if (c)
+        out = *c;
+    return out;
 }
 
 static __always_inline u32 hist_slot(u64 v)
@@ -52,71 +64,53 @@ static __always_inline u32 hist_slot(u64 v)
     return 1 + (k - HIST_MIN_SHIFT) * HIST_SUB + sub;
 }
 
-static __always_inline void hist_add(u64 cgid, u32 kind, u64 v)
+/* Adds n and v to fields `field` and `field + 1` of the cgroup's counters
+ * (field + 1 only when it is a loss pair). A full cgroups map leaves only the
+ * global error count. */
+static __always_inline void cgroup_add(u64 cgid, u32 gen, u32 field, u64 v)
 {
-    struct hist_key key = {.cgid = cgid, .kind = kind, .slot = hist_slot(v)};
-    struct hist_val *val = hists.lookup(&key);
-    if (val) {
-        val->count++;
-        val->sum_ns += v;
-        return;
-    }
-    struct hist_val init = {.count = 1, .sum_ns = v};
-    if (hists.update(&key, &init))
-        count_error(ERR_HIST);
-}
-
-/* pairs and holders share key and value types; BCC's map objects cannot be
- * passed as arguments, hence one small function per map. */
-static __always_inline void pair_add(u64 victim, u64 preemptor, u64 wait)
-{
-    struct pair_key key = {.victim_cgid = victim, .preemptor_cgid = preemptor};
-    struct pair_val *val = pairs.lookup(&key);
-    if (val) {
-        val->count++;
-        val->wait_ns += wait;
-        return;
-    }
-    struct pair_val init = {.count = 1, .wait_ns = wait};
-    if (pairs.update(&key, &init))
-        count_error(ERR_PAIR);
-}
-
-static __always_inline void holder_add(u64 victim, u64 holder, u64 wait)
-{
-    struct pair_key key = {.victim_cgid = victim, .preemptor_cgid = holder};
-    struct pair_val *val = holders.lookup(&key);
-    if (val) {
-        val->count++;
-        val->wait_ns += wait;
-        return;
-    }
-    struct pair_val init = {.count = 1, .wait_ns = wait};
-    if (holders.update(&key, &init))
-        count_error(ERR_PAIR);
-}
-
-/* field: offset of a __u64 in struct cgroup_val, in units of __u64 */
-static __always_inline void cgroup_count(u64 cgid, u32 field)
-{
-    struct cgroup_val *val = cgroups.lookup(&cgid);
-    if (val) {
-        ((u64 *)val)[field & 3]++;
-        return;
-    }
-    struct cgroup_val init = {};
-    ((u64 *)&init)[field & 3] = 1;
-    if (cgroups.update(&cgid, &init))
+    struct cgroup_key key = {.cgid = cgid, .gen = gen};
+    struct cgroup_val zero = {};
+    struct cgroup_val *val = cgroups.lookup_or_try_init(&key, &zero);
+    if (!val) {
         count_error(ERR_CGROUP);
+        return;
+    }
+    u64 *f = (u64 *)val;
+    if (field >= CG_LOST_RUNQ && field + 1 < CG_FIELDS) {
+        __sync_fetch_and_add(&f[field], 1);
+        __sync_fetch_and_add(&f[field + 1], v);
+    } else if (field < CG_FIELDS) {
+        __sync_fetch_and_add(&f[field], 1);
+    }
 }
 
-static __always_inline bool is_watched(u64 cgid)
+static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
 {
-    u32 zero = 0;
-    u32 *on = watch_on.lookup(&zero);
-    if (!on || !*on)
-        return false;
-    return watched.lookup(&cgid) != NULL;
+    struct hist_key key = {.cgid = cgid, .slot = hist_slot(v), .kind = kind, .gen = gen};
+    struct hist_val zero = {};
+    struct hist_val *val = hists.lookup_or_try_init(&key, &zero);
+    if (!val) {
+        count_error(ERR_HIST);
+        cgroup_add(cgid, gen, kind == HIST_RUNQ ? CG_LOST_RUNQ : CG_LOST_IOWAIT, v);
+        return;
+    }
+    __sync_fetch_and_add(&val->count, 1);
+    __sync_fetch_and_add(&val->sum_ns, v);
+}
+
+static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
+{
+    struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
+    struct blame_val zero = {};
+    struct blame_val *val = blame.lookup_or_try_init(&key, &zero);
+    if (!val) {
+        count_error(ERR_PAIR);
+        cgroup_add(victim, gen, CG_LOST_BLAME, wait);
+        return;
+    }
+    __sync_fetch_and_add(&val->count, 1);
+    __sync_fetch_and_add(&val->wait_ns, wait);
 }
 
 static __always_inline bool rate_ok(u64 now)
@@ -138,9 +132,9 @@ static __always_inline bool rate_ok(u64 now)
     return true;
 }
 
-static __always_inline void emit(u64 cgid, u32 kind, u64 start, u64 end, u64 other, u32 tid)
+static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u64 end, u64 other, u32 tid)
 {
-    if (!is_watched(cgid) || !rate_ok(end))
+    if (!c.watch_on || !watched.lookup(&cgid) || !rate_ok(end))
         return;
     struct sched_event *e = events.ringbuf_reserve(sizeof(struct sched_event));
     if (!e) {
@@ -156,14 +150,10 @@ static __always_inline void emit(u64 cgid, u32 kind, u64 start, u64 end, u64 oth
     events.ringbuf_submit(e, 0);
 }
 
-#define CG_MIGRATIONS 0
-#define CG_UNTRACED_SWITCH_IN 1
-#define CG_UNTRACED_SWITCH_OUT 2
-#define CG_UNTRACED_WAKEUP 3
-
 TRACEPOINT_PROBE(sched, sched_switch)
 {
     u64 now = bpf_ktime_get_ns();
+    struct ctl c = read_ctl();
     u32 prev_pid = args->prev_pid;
     u32 next_pid = args->next_pid;
     long prev_state = args->prev_state;
@@ -183,19 +173,17 @@ TRACEPOINT_PROBE(sched, sched_switch)
             u32 st = n->state;
             if (st == TS_RUNNABLE || st == TS_PREEMPTED) {
                 u64 wait = now - n->ts;
-                hist_add(next_cgid, HIST_RUNQ, wait);
+                hist_add(next_cgid, c.gen, HIST_RUNQ, wait);
                 /* Blame: a preempted wait on its preemptor, a wait after a
                  * wakeup on whoever held the CPU until it ended. */
-                if (st == TS_PREEMPTED)
-                    pair_add(next_cgid, n->preemptor_cgid, wait);
-                else
-                    holder_add(next_cgid, cgid, wait);
-                emit(next_cgid, st == TS_PREEMPTED ? EV_PREEMPTED : EV_RUNQ, n->ts, now,
-                     st == TS_PREEMPTED ? n->preemptor_cgid : cgid, next_pid);
+                bool preempted = st == TS_PREEMPTED;
+                u64 culprit = preempted ? n->preemptor_cgid : cgid;
+                blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait);
+                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, n->ts, now, culprit, next_pid);
             } else if (st == TS_RUNNING) {
-                cgroup_count(next_cgid, CG_UNTRACED_SWITCH_OUT);
+                cgroup_add(next_cgid, c.gen, CG_UNTRACED_SWITCH_OUT, 0);
             } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
-                cgroup_count(next_cgid, CG_UNTRACED_WAKEUP);
+                cgroup_add(next_cgid, c.gen, CG_UNTRACED_WAKEUP, 0);
             }
             n->state = TS_RUNNING;
             n->ts = now;
@@ -222,7 +210,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
 
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
-            cgroup_count(cgid, CG_UNTRACED_SWITCH_IN);
+            cgroup_add(cgid, c.gen, CG_UNTRACED_SWITCH_IN, 0);
         p->ts = now;
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
@@ -247,8 +235,9 @@ static __always_inline int on_wakeup(u32 pid)
         return 0;
     u64 now = bpf_ktime_get_ns();
     if (st == TS_BLOCKED) {
-        hist_add(t->cgid, HIST_IOWAIT, now - t->ts);
-        emit(t->cgid, EV_IOWAIT, t->ts, now, 0, pid);
+        struct ctl c = read_ctl();
+        hist_add(t->cgid, c.gen, HIST_IOWAIT, now - t->ts);
+        emit(c, t->cgid, EV_IOWAIT, t->ts, now, 0, pid);
     }
     t->state = TS_RUNNABLE;
     t->ts = now;
@@ -270,9 +259,10 @@ TRACEPOINT_PROBE(sched, sched_migrate_task)
     u32 pid = args->pid;
     struct task_info *t = tasks.lookup(&pid);
     if (t) {
-        cgroup_count(t->cgid, CG_MIGRATIONS);
+        struct ctl c = read_ctl();
+        cgroup_add(t->cgid, c.gen, CG_MIGRATIONS, 0);
         u64 now = bpf_ktime_get_ns();
-        emit(t->cgid, EV_MIGRATE, now, now, 0, pid);
+        emit(c, t->cgid, EV_MIGRATE, now, now, 0, pid);
     }
     return 0;
 }

@@ -1,6 +1,13 @@
 /* Structures shared by bpf/sched.bpf.c and agent/probe/layout.py.
  * Every field is naturally aligned and padded explicitly so the layout is the
- * same for clang (BPF) and ctypes; tests/kernel/test_layout.py checks it. */
+ * same for clang (BPF) and ctypes; tests/kernel/test_probe.py checks it.
+ *
+ * Counting maps (hists, blame, cgroups) are drained by user space every
+ * interval. Their keys carry a generation: programs count into the current
+ * one (ctl.gen); the agent flips it, waits for programs that read the old
+ * value to finish, then reads and deletes the old generation's entries.
+ * Entries of dead cgroups therefore vanish within one interval, and no count
+ * is lost between reading and deleting (docs/maps.md). */
 #ifndef SLATRACE_SCHED_H
 #define SLATRACE_SCHED_H
 
@@ -34,11 +41,12 @@
 #define TS_SLEEPING 4
 #define TS_BLOCKED 5    /* uninterruptible sleep (D state) */
 
-/* stat_key.counter */
+/* Index in the errors array: updates that failed outright, with no cgroup
+ * to charge them to (the per-cgroup loss counters live in cgroup_val). */
 #define ERR_TASK 0        /* task map update failed */
 #define ERR_HIST 1        /* histogram map update failed (full) */
-#define ERR_PAIR 2        /* preemption or holder map update failed (full) */
-#define ERR_CGROUP 3      /* per-cgroup counter map update failed (full) */
+#define ERR_PAIR 2        /* blame map update failed (full) */
+#define ERR_CGROUP 3      /* per-cgroup counter map update failed (full): the loss is uncounted per cgroup */
 #define ERR_EVENTS 4      /* event ring buffer full */
 #define ERR_EVENT_RATE 5  /* event dropped by the per-CPU rate limit */
 #define NR_ERRORS 6
@@ -57,10 +65,17 @@ struct task_info {
     __u32 flags;           /* TF_* */
 };
 
+/* Control words written by user space (array "ctl", one element). */
+struct ctl {
+    __u32 gen;             /* generation programs count into: 0 or 1 */
+    __u32 watch_on;        /* non-zero once any cgroup is watched */
+};
+
 struct hist_key {
     __u64 cgid;
-    __u32 kind;            /* HIST_RUNQ or HIST_IOWAIT */
     __u32 slot;
+    __u16 kind;            /* HIST_RUNQ or HIST_IOWAIT */
+    __u16 gen;
 };
 
 struct hist_val {
@@ -68,14 +83,27 @@ struct hist_val {
     __u64 sum_ns;          /* exact sum of the values that fell into this slot */
 };
 
-struct pair_key {
+/* blame_key.kind */
+#define BLAME_PREEMPTED 0  /* culprit preempted the victim */
+#define BLAME_HOLDER 1     /* victim woke up and waited while culprit held the CPU (0 = idle) */
+
+struct blame_key {
     __u64 victim_cgid;
-    __u64 preemptor_cgid;
+    __u64 culprit_cgid;
+    __u16 kind;            /* BLAME_* */
+    __u16 gen;
+    __u32 pad;
 };
 
-struct pair_val {
-    __u64 count;           /* preemptions of victim by preemptor */
-    __u64 wait_ns;         /* run-queue wait that followed them */
+struct blame_val {
+    __u64 count;           /* waits of victim blamed on culprit */
+    __u64 wait_ns;         /* their run-queue wait */
+};
+
+struct cgroup_key {
+    __u64 cgid;
+    __u32 gen;
+    __u32 pad;
 };
 
 /* Gaps in the event stream. Some context switches are never traced (seen on
@@ -86,7 +114,25 @@ struct cgroup_val {
     __u64 untraced_switch_in;   /* switch-out of a task still marked runnable */
     __u64 untraced_switch_out;  /* switch-in of a task already marked running */
     __u64 untraced_wakeup;      /* switch-in of a task still marked asleep */
+    /* What the full hists or blame map could not take, so a reader knows the
+     * share of waits its figures cover instead of reading low quantiles. */
+    __u64 lost_runq;            /* run-queue waits missing from hists */
+    __u64 lost_runq_ns;
+    __u64 lost_iowait;          /* D-state sleeps missing from hists */
+    __u64 lost_iowait_ns;
+    __u64 lost_blame;           /* run-queue waits missing from blame */
+    __u64 lost_blame_ns;
 };
+
+/* cgroup_val fields, in units of __u64 */
+#define CG_MIGRATIONS 0
+#define CG_UNTRACED_SWITCH_IN 1
+#define CG_UNTRACED_SWITCH_OUT 2
+#define CG_UNTRACED_WAKEUP 3
+#define CG_LOST_RUNQ 4
+#define CG_LOST_IOWAIT 6
+#define CG_LOST_BLAME 8
+#define CG_FIELDS 10
 
 /* One wait of a task in a watched cgroup (a service that sends request
  * spans), streamed through a ring buffer so a request's window can be cut

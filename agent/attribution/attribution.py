@@ -153,6 +153,7 @@ _CAUSE_OF_KIND = {
     "busy_cpu": "busy_cpu",
     "idle": "idle",
     "io": "iowait",
+    "unattributed": "unattributed",
 }
 
 
@@ -160,18 +161,26 @@ def blame(service: str, figures: Any, throttled_seconds: float = 0.0) -> dict:
     """The measured split of `service`'s delay over a window (see the module doc)."""
     return blame_from_totals(
         service,
-        runq_wait=figures.runq.sum_seconds,
-        iowait=figures.iowait.sum_seconds,
+        # Waits a full histogram map could not take still happened: the
+        # delay is the recorded sum plus the lost one.
+        runq_wait=(figures.runq.sum_ns + figures.lost_runq.wait_ns) / 1e9,
+        iowait=(figures.iowait.sum_ns + figures.lost_iowait.wait_ns) / 1e9,
         preempted={name: p.wait_ns / 1e9 for name, p in figures.preempted_by.items()},
         throttled_seconds=throttled_seconds,
         behind={name: p.wait_ns / 1e9 for name, p in figures.waited_behind.items()},
+        unattributed_seconds=figures.lost_blame.wait_ns / 1e9,
     )
 
 
 def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: Mapping[str, float],
-                      throttled_seconds: float = 0.0, behind: Mapping[str, float] | None = None) -> dict:
+                      throttled_seconds: float = 0.0, behind: Mapping[str, float] | None = None,
+                      unattributed_seconds: float = 0.0) -> dict:
     """blame() on plain totals, so figures read back from Prometheus are split
-    by exactly the same rule as the agent's own."""
+    by exactly the same rule as the agent's own.
+
+    unattributed_seconds: run-queue wait whose culprit the kernel could not
+    record (a full blame map). It stays an explicit share: the known culprits
+    are not scaled up to cover it."""
     wait = runq_wait
     raw_total = sum(preempted.values())
     # Pair waits and the histogram sum come from the same switch-ins, but a
@@ -181,6 +190,8 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
     from_preempt = min(throttled, preempted_total)
     keep = (preempted_total - from_preempt) / raw_total if raw_total else 0.0
     wakeup = max(0.0, wait - preempted_total - (throttled - from_preempt))
+    unattributed = min(max(unattributed_seconds, 0.0), wakeup)
+    wakeup -= unattributed
     delay = wait + iowait
 
     def share(seconds: float) -> float:
@@ -214,6 +225,9 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
                        for n, v in per_service.items()), key=lambda c: c["seconds"], reverse=True)
     if iowait > 0:
         shares.append({"cause": "iowait", "kind": "io", "seconds": iowait, "share": share(iowait)})
+    if unattributed > 0:
+        shares.append({"cause": "unattributed", "kind": "unattributed", "seconds": unattributed,
+                       "share": share(unattributed)})
 
     by_kind: dict[str, float] = {}
     for s in shares:
@@ -228,6 +242,7 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
                   sorted(by_kind.items(), key=lambda kv: kv[1], reverse=True)},
         "culprits": culprits,
         "shares": sorted(shares, key=lambda s: s["seconds"], reverse=True),
+        "unattributed": {"seconds": unattributed, "share": share(unattributed)},
     }
 
 
@@ -282,6 +297,9 @@ def verdict(record: Mapping[str, Any]) -> str:
                 + (f"; own quota {_pct(part('own_quota'))}" if part("own_quota") else ""))
     elif cause == "iowait":
         body = f"mostly blocked in I/O (D state), {_pct(part('io'))} of its {delay} delay"
+    elif cause == "unattributed":
+        body = (f"{_pct(part('unattributed'))} of its {delay} delay has no recorded culprit "
+                "(the agent's blame map was full; see slatrace_bpf_map_errors_total)")
     elif cause == "self":
         body = (f"mostly preempted by its own threads, {_pct(part('self'))} of its {delay} delay "
                 f"(more runnable threads than CPUs it gets)")
@@ -314,6 +332,10 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
             "p50": runq.quantile(0.5),
             "p95": runq.quantile(0.95),
             "p99": runq.quantile(0.99),
+            # Share of the service's waits the histogram holds: below 1.0 a
+            # full kernel map dropped some, and the quantiles may read low.
+            "coverage": figures.coverage,
+            "lost": figures.lost_runq.count,
         },
         "preemption": {
             "count": preempt_count,

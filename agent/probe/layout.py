@@ -2,7 +2,7 @@
 
 BCC builds its own ctypes types from the compiled program; these mirrors exist
 so the reader can allocate batch buffers without a loaded program and so a
-test can check that both agree field by field (tests/kernel/test_layout.py).
+test can check that both agree field by field (tests/kernel/test_probe.py).
 """
 
 from __future__ import annotations
@@ -20,29 +20,45 @@ class TaskInfo(ct.Structure):
     ]
 
 
+class Ctl(ct.Structure):
+    _fields_ = [("gen", ct.c_uint32), ("watch_on", ct.c_uint32)]
+
+
 class HistKey(ct.Structure):
-    _fields_ = [("cgid", ct.c_uint64), ("kind", ct.c_uint32), ("slot", ct.c_uint32)]
+    _fields_ = [("cgid", ct.c_uint64), ("slot", ct.c_uint32), ("kind", ct.c_uint16), ("gen", ct.c_uint16)]
 
 
 class HistVal(ct.Structure):
     _fields_ = [("count", ct.c_uint64), ("sum_ns", ct.c_uint64)]
 
 
-class PairKey(ct.Structure):
-    _fields_ = [("victim_cgid", ct.c_uint64), ("preemptor_cgid", ct.c_uint64)]
+class BlameKey(ct.Structure):
+    _fields_ = [("victim_cgid", ct.c_uint64), ("culprit_cgid", ct.c_uint64), ("kind", ct.c_uint16),
+                ("gen", ct.c_uint16), ("pad", ct.c_uint32)]
 
 
-class PairVal(ct.Structure):
+class BlameVal(ct.Structure):
     _fields_ = [("count", ct.c_uint64), ("wait_ns", ct.c_uint64)]
 
 
+class CgroupKey(ct.Structure):
+    _fields_ = [("cgid", ct.c_uint64), ("gen", ct.c_uint32), ("pad", ct.c_uint32)]
+
+
+# cgroup_val, in the order of bpf/sched.h (CG_* indices)
+CGROUP_FIELDS = (
+    "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
+    "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
+)
+
+
 class CgroupVal(ct.Structure):
-    _fields_ = [
-        ("migrations", ct.c_uint64),
-        ("untraced_switch_in", ct.c_uint64),
-        ("untraced_switch_out", ct.c_uint64),
-        ("untraced_wakeup", ct.c_uint64),
-    ]
+    _fields_ = [(name, ct.c_uint64) for name in CGROUP_FIELDS]
+
+
+# blame_key.kind
+BLAME_PREEMPTED = 0
+BLAME_HOLDER = 1
 
 
 class SchedEvent(ct.Structure):
@@ -64,14 +80,16 @@ class EventRate(ct.Structure):
 MAP_TYPES: dict[str, tuple[type, type]] = {
     "tasks": (ct.c_uint32, TaskInfo),
     "hists": (HistKey, HistVal),
-    "pairs": (PairKey, PairVal),
-    "holders": (PairKey, PairVal),
-    "cgroups": (ct.c_uint64, CgroupVal),
+    "blame": (BlameKey, BlameVal),
+    "cgroups": (CgroupKey, CgroupVal),
     "errors": (ct.c_uint32, ct.c_uint64),
-    "watch_on": (ct.c_uint32, ct.c_uint32),
+    "ctl": (ct.c_uint32, Ctl),
     "watched": (ct.c_uint64, ct.c_uint8),
     "event_rates": (ct.c_uint32, EventRate),
 }
 
 # index in the errors array -> the map whose update failed (bpf/sched.h ERR_*)
+# ("pairs" is the blame map: the name predates it and labels exported series.)
 ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups", "events", "events_rate_limited")
+# Maps drained every interval: their keys carry a generation.
+DRAINED_MAPS = ("hists", "blame", "cgroups")

@@ -1,7 +1,10 @@
-"""Loads bpf/sched.bpf.c with BCC, reads its maps, hands out snapshots.
+"""Loads bpf/sched.bpf.c with BCC, drains its maps, hands out snapshots.
 
-The only module that imports bcc. Maps are read with BPF_MAP_LOOKUP_BATCH in
-fixed-size chunks (one syscall per chunk instead of two per entry).
+The only module that imports bcc. Every snapshot drains the counting maps:
+flip the generation the programs count into, wait out programs still using
+the old one, read the old generation in batches (one syscall per chunk), then
+delete exactly those keys. Entries of dead cgroups vanish with their last
+interval and the maps hold one interval of live data (docs/maps.md).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 
 import agent
 from agent.probe.features import Features
-from agent.probe.layout import ERROR_MAPS, MAP_TYPES, TaskInfo
+import numpy as np
+
+from agent.probe.layout import BLAME_PREEMPTED, CGROUP_FIELDS, ERROR_MAPS, MAP_TYPES, Ctl, TaskInfo
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.snapshot import (KERNEL_CGID, Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats,
                             SchedEvent)
@@ -24,20 +29,25 @@ from agent.snapshot import (KERNEL_CGID, Bucket, CgroupCounters, PairCounters, P
 TS_RUNNING = 1
 TF_KTHREAD = 1
 
-BATCH = 512
+BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
+# How long a program that read the old generation may still be writing to it.
+# Tracepoint programs run to completion with preemption off (a few µs, bounded
+# by the verifier); 2 ms covers them with a wide margin, and a straggler's
+# count is not lost anyway: it lands in that generation's next drain.
+GRACE_S = 0.002
 
 
 @dataclass(frozen=True)
 class MapSizes:
-    """max_entries of each map. Memory, per map: entries x value x possible CPUs
-    for the per-CPU maps, entries x (key + value) for the task map, plus about
-    100 bytes of kernel bookkeeping per entry (docs/memory.md)."""
+    """max_entries of each map. The counting maps hold one interval of live
+    keys, not all-time ones; their memory does not grow with the number of
+    CPUs (docs/maps.md gives the formula, bench/mapmem.py computes it)."""
 
     tasks: int = 65536
-    hists: int = 32768
-    pairs: int = 4096                # each of the pairs and holders maps
-    cgroups: int = 2048
+    hists: int = 262144              # (cgroup, kind, slot) keys of one interval, both generations
+    blame: int = 131072              # (victim, culprit, kind) keys of one interval
+    cgroups: int = 16384             # cgroups active in one interval
     watched: int = 1024
     event_pages: int = 1024          # 4 MiB of ring buffer with 4 KiB pages
     event_rate: int = 50000          # events per CPU per ~1.07 s
@@ -60,7 +70,7 @@ def cflags(features: Features, sizes: MapSizes) -> list[str]:
         "STATE_DEAD": features.states.dead,
         "MAX_TASKS": sizes.tasks,
         "MAX_HIST": sizes.hists,
-        "MAX_PAIRS": sizes.pairs,
+        "MAX_BLAME": sizes.blame,
         "MAX_CGROUPS": sizes.cgroups,
         "MAX_WATCHED": sizes.watched,
         "EVENT_PAGES": sizes.event_pages,
@@ -91,6 +101,8 @@ class Probe:
         self.load_wall = time.time()
         self._events: list[SchedEvent] = []
         self._ring_open = False
+        self._ctl = Ctl(gen=0, watch_on=0)
+        self._errors_seen = {name: 0 for name in ERROR_MAPS}
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes()) -> "Probe":
@@ -129,8 +141,12 @@ class Probe:
         if cgids and not self._ring_open:
             self._bpf[b"events"].open_ring_buffer(self._on_event)
             self._ring_open = True
-        on = self._bpf[b"watch_on"]
-        on[on.Key(0)] = on.Leaf(1 if cgids else 0)
+        self._ctl.watch_on = 1 if cgids else 0
+        self._write_ctl()
+
+    def _write_ctl(self) -> None:
+        table = self._bpf[b"ctl"]
+        table[table.Key(0)] = self._ctl
 
     def mark_kernel_threads(self, tids: list[int]) -> int:
         """Count these tasks under the kernel pseudo cgroup from now on. New
@@ -173,32 +189,32 @@ class Probe:
         return ProbeSnapshot(mono_ns=self.load_mono_ns, wall=self.load_wall)
 
     def snapshot(self) -> ProbeSnapshot:
+        """Drain one generation of the counting maps: the counts since the
+        previous snapshot (or since load)."""
+        old = self._ctl.gen
+        self._ctl.gen = old ^ 1
+        self._write_ctl()
+        time.sleep(GRACE_S)
         mono = monotonic_ns()
         wall = time.time()
-        hists: dict[tuple[int, int], dict[int, Bucket]] = {}
-        for key, vals in self._read("hists"):
-            count = sum(v.count for v in vals)
-            if count:
-                hists.setdefault((key.cgid, key.kind), {})[key.slot] = Bucket(count, sum(v.sum_ns for v in vals))
-        pairs = self._read_pairs("pairs")
-        holders = self._read_pairs("holders")
-        cgroups = {}
-        for key, vals in self._read("cgroups"):
-            cgroups[int(key)] = CgroupCounters(
-                migrations=sum(v.migrations for v in vals),
-                untraced_switch_in=sum(v.untraced_switch_in for v in vals),
-                untraced_switch_out=sum(v.untraced_switch_out for v in vals),
-                untraced_wakeup=sum(v.untraced_wakeup for v in vals),
-            )
-        err_table = self._bpf[b"errors"]
-        errors = {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
-        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=hists, pairs=pairs, holders=holders, cgroups=cgroups,
-                             errors=errors, programs=self.program_stats())
+        hist_keys, hist_vals = self._drain("hists", old)
+        blame_keys, blame_vals = self._drain("blame", old)
+        cg_keys, cg_vals = self._drain("cgroups", old)
+        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=_hists(hist_keys, hist_vals),
+                             pairs=_blame(blame_keys, blame_vals, preempted=True),
+                             holders=_blame(blame_keys, blame_vals, preempted=False),
+                             cgroups=_cgroups(cg_keys, cg_vals), errors=self._error_counts(),
+                             programs=self.program_stats())
 
-    def _read_pairs(self, name: str) -> dict[tuple[int, int], PairCounters]:
-        return {(key.victim_cgid, key.preemptor_cgid): PairCounters(sum(v.count for v in vals),
-                                                                    sum(v.wait_ns for v in vals))
-                for key, vals in self._read(name)}
+    def _error_counts(self) -> dict[str, int]:
+        err_table = self._bpf[b"errors"]
+        return {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
+
+    def map_entries(self) -> dict[str, int]:
+        """Entries each counting map holds now (what the last drain left plus
+        what programs added since): the live set, for the self-metrics."""
+        return {name: sum(len(k) for k, _ in self._batches(name)) for name in ("hists", "blame", "cgroups")} | {
+            "tasks": sum(len(k) for k, _ in self._batches("tasks"))}
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero
@@ -215,14 +231,57 @@ class Probe:
             out[name] = ProgramStats(int(fields.get("run_cnt", 0)), int(fields.get("run_time_ns", 0)))
         return out
 
-    def _read(self, name: str):
-        """All (key, per-CPU values) of a per-CPU hash map, in batches."""
+    def _drain(self, name: str, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read every entry of generation `gen`, then delete exactly those.
+
+        Runs after the flip and the grace period, so no program writes to
+        these keys any more: nothing counted between the read and the delete
+        is lost. Entries of the current generation are read too (the batch
+        interface cannot filter) but left alone; right after the flip there
+        are only a few.
+        """
+        parts = [(k, v) for k, v in self._batches(name)]
+        key_t, val_t = MAP_TYPES[name]
+        if not parts:
+            return np.empty(0, np.dtype(key_t)), np.empty(0, np.dtype(val_t))
+        keys = np.concatenate([k for k, _ in parts])
+        vals = np.concatenate([v for _, v in parts])
+        mine = keys["gen"] == gen
+        keys, vals = keys[mine], vals[mine]
+        self._delete(name, keys)
+        return keys, vals
+
+    def _delete(self, name: str, keys: np.ndarray) -> None:
+        fd = self._bpf[name.encode()].map_fd
+        keys = np.ascontiguousarray(keys)
+        done = 0
+        while done < len(keys):
+            count = ct.c_uint32(len(keys) - done)
+            res = self._lib.bpf_delete_batch(fd, keys[done:].ctypes.data, ct.byref(count))
+            err = ct.get_errno()
+            done += count.value
+            if res != 0:
+                if err == errno.ENOENT:
+                    done += 1  # gone already: skip it and go on
+                    continue
+                if err in (errno.EINVAL, ENOTSUPP):
+                    # Kernels before 5.6 have no batch delete: one key at a time.
+                    table = self._bpf[name.encode()]
+                    for row in keys[done:]:
+                        try:
+                            del table[table.Key.from_buffer_copy(row.tobytes())]
+                        except KeyError:
+                            pass
+                    return
+                raise OSError(err, f"deleting from BPF map {name}: {os.strerror(err)}")
+
+    def _batches(self, name: str):
+        """All (keys, values) of a hash map, as numpy arrays of one chunk each."""
         key_t, val_t = MAP_TYPES[name]
         if name not in self._buffers:
-            keys = (key_t * BATCH)()
-            vals = ((val_t * self._ncpu) * BATCH)()
-            self._buffers[name] = (keys, vals)
+            self._buffers[name] = ((key_t * BATCH)(), (val_t * BATCH)())
         keys, vals = self._buffers[name]
+        key_dt, val_dt = np.dtype(key_t), np.dtype(val_t)
         fd = self._bpf[name.encode()].map_fd
         in_batch = ct.c_uint32(0)
         out_batch = ct.c_uint32(0)
@@ -232,17 +291,41 @@ class Probe:
             res = self._lib.bpf_lookup_batch(fd, None if first else ct.byref(in_batch), ct.byref(out_batch),
                                              ct.byref(keys), ct.byref(vals), ct.byref(count))
             err = ct.get_errno()
-            # The views point into the reused buffers: the caller reduces each
-            # entry before asking for the next one.
-            for i in range(count.value):
-                yield keys[i], vals[i]
+            n = count.value
+            if n:
+                # Copies: the buffers are reused by the next chunk.
+                yield (np.frombuffer(keys, key_dt, n).copy(), np.frombuffer(vals, val_dt, n).copy())
             if res != 0:
                 if err == errno.ENOENT:
                     break
                 if first and err in (errno.EINVAL, ENOTSUPP):
                     # Kernels before 5.6 have no batch lookup: one key at a time.
-                    yield from self._bpf[name.encode()].items()
+                    items = list(self._bpf[name.encode()].items())
+                    if items:
+                        yield (np.frombuffer(b"".join(bytes(k) for k, _ in items), key_dt),
+                               np.frombuffer(b"".join(bytes(v) for _, v in items), val_dt))
                     return
                 raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
             first = False
             in_batch.value = out_batch.value
+
+
+def _hists(keys: np.ndarray, vals: np.ndarray) -> dict[tuple[int, int], dict[int, Bucket]]:
+    out: dict[tuple[int, int], dict[int, Bucket]] = {}
+    for cgid, kind, slot, count, total in zip(keys["cgid"].tolist(), keys["kind"].tolist(), keys["slot"].tolist(),
+                                              vals["count"].tolist(), vals["sum_ns"].tolist()):
+        out.setdefault((cgid, kind), {})[slot] = Bucket(count, total)
+    return out
+
+
+def _blame(keys: np.ndarray, vals: np.ndarray, *, preempted: bool) -> dict[tuple[int, int], PairCounters]:
+    mine = (keys["kind"] == BLAME_PREEMPTED) == preempted
+    return {(victim, culprit): PairCounters(count, wait)
+            for victim, culprit, count, wait in zip(keys["victim_cgid"][mine].tolist(),
+                                                    keys["culprit_cgid"][mine].tolist(),
+                                                    vals["count"][mine].tolist(), vals["wait_ns"][mine].tolist())}
+
+
+def _cgroups(keys: np.ndarray, vals: np.ndarray) -> dict[int, CgroupCounters]:
+    columns = [vals[f].tolist() for f in CGROUP_FIELDS]
+    return {cgid: CgroupCounters(*row) for cgid, *row in zip(keys["cgid"].tolist(), *columns)}

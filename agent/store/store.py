@@ -1,10 +1,9 @@
 """Time-indexed store: cumulative probe snapshots in, per-service intervals out.
 
-The probe reads cumulative kernel counters keyed by cgroup id. The store turns
-each pair of consecutive snapshots into one interval of deltas, names the
-cgroups after their services, and keeps a ring of intervals for the retention
-window, so any "last N seconds" question is a merge of intervals rather than a
-subtraction of counters that may have been reset in between.
+The probe drains the kernel's counters keyed by cgroup id at every snapshot, so
+each snapshot is one interval of counts. The store names the cgroups after
+their services and keeps a ring of intervals for the retention window, so any
+"last N seconds" question is a merge of intervals.
 
 One thread ingests, any number read. Everything a reader gets is immutable.
 """
@@ -26,6 +25,7 @@ from agent.snapshot import (
     PairCounters,
     ProbeSnapshot,
     ProgramStats,
+    carry_over,
 )
 from agent.store.histogram import Histogram
 
@@ -51,8 +51,20 @@ class ServiceInterval:
     untraced_wakeup: int
     cgroups: frozenset[int]
     # Run-queue waits after a wakeup, by the service that held the CPU until
-    # they ended (IDLE: the CPU was idle). With preempted_by, sums to runq.
+    # they ended (IDLE: the CPU was idle). With preempted_by and lost_blame,
+    # sums to runq.
     waited_behind: Mapping[str, PairCounters] = field(default_factory=lambda: _EMPTY)
+    # What full kernel maps could not record (waits and their ns): runq and
+    # iowait waits missing from the histograms, runq waits missing from blame.
+    lost_runq: PairCounters = PairCounters(0, 0)
+    lost_iowait: PairCounters = PairCounters(0, 0)
+    lost_blame: PairCounters = PairCounters(0, 0)
+
+    @property
+    def coverage(self) -> float:
+        """Share of run-queue waits the histogram holds (1.0 when nothing was lost)."""
+        total = self.runq.count + self.lost_runq.count
+        return self.runq.count / total if total else 1.0
 
     @property
     def preemptions(self) -> int:
@@ -97,7 +109,8 @@ class _ServiceSum:
         self.hists: dict[int, dict[int, list[int]]] = {HIST_RUNQ: {}, HIST_IOWAIT: {}}
         self.pairs: dict[str, list[int]] = {}
         self.holders: dict[str, list[int]] = {}
-        self.counters = [0, 0, 0, 0]  # migrations, untraced in/out/wakeup
+        # migrations, untraced in/out/wakeup, then lost runq, iowait, blame (count, ns)
+        self.counters = [0] * 10
         self.cgroups: set[int] = set()
 
     @staticmethod
@@ -125,7 +138,9 @@ class _ServiceSum:
         for name, p in s.waited_behind.items():
             self.add_holder(name, p.count, p.wait_ns)
         for i, v in enumerate(
-            (s.migrations, s.untraced_switch_in, s.untraced_switch_out, s.untraced_wakeup)
+            (s.migrations, s.untraced_switch_in, s.untraced_switch_out, s.untraced_wakeup,
+             s.lost_runq.count, s.lost_runq.wait_ns, s.lost_iowait.count, s.lost_iowait.wait_ns,
+             s.lost_blame.count, s.lost_blame.wait_ns)
         ):
             self.counters[i] += v
         self.cgroups |= s.cgroups
@@ -148,6 +163,9 @@ class _ServiceSum:
             waited_behind=MappingProxyType(
                 {n: PairCounters(c, w) for n, (c, w) in sorted(self.holders.items())}
             ),
+            lost_runq=PairCounters(*self.counters[4:6]),
+            lost_iowait=PairCounters(*self.counters[6:8]),
+            lost_blame=PairCounters(*self.counters[8:10]),
         )
 
 
@@ -156,13 +174,6 @@ def _delta(prev: int | None, cur: int) -> int:
     if prev is None or cur < prev:
         return cur
     return cur - prev
-
-
-def _pair_delta(prev: tuple[int, int] | None, cur: tuple[int, int]) -> tuple[int, int]:
-    """Delta of a (count, sum) entry: both live in one map value and reset together."""
-    if prev is None or cur[0] < prev[0] or cur[1] < prev[1]:
-        return cur
-    return cur[0] - prev[0], cur[1] - prev[1]
 
 
 def _freeze_all(sums: Mapping[str, _ServiceSum]) -> Mapping[str, ServiceInterval]:
@@ -196,6 +207,7 @@ class Store:
         self._lock = threading.Lock()          # guards everything readers see
         self._ingest_lock = threading.Lock()   # serialises writers
         self._prev: ProbeSnapshot | None = None
+        self._carry: ProbeSnapshot | None = None  # counts of an interval that failed to resolve
         self._records: deque[IntervalRecord] = deque()
         self._collected = 0
         self._totals: dict[str, _ServiceSum] = {}
@@ -204,12 +216,11 @@ class Store:
         self._programs: Mapping[str, ProgramStats] = _EMPTY
 
     def ingest(self, snapshot: ProbeSnapshot, service_of: Callable[[int], str]) -> IntervalRecord | None:
-        """Record the interval since the previous snapshot; the first is the baseline.
+        """Record the interval a drained snapshot covers; the first is the baseline
+        (the probe's load time: it carries no counts).
 
-        Deltas are taken per key, so a deleted and re-created map entry (or a
-        reloaded probe) costs at most the counts between the last read and the
-        reset, never a negative or doubled interval. If service_of raises, nothing
-        is committed and the next snapshot covers both intervals.
+        If service_of raises, nothing is committed and the snapshot's counts
+        (gone from the kernel by then) are carried into the next interval.
         """
         with self._ingest_lock:
             prev = self._prev
@@ -218,7 +229,14 @@ class Store:
                     self._prev = snapshot
                     self._programs = MappingProxyType(dict(snapshot.programs))
                 return None
-            services, errors = self._interval(prev, snapshot, service_of)
+            if self._carry is not None:
+                snapshot = carry_over(self._carry, snapshot)
+                self._carry = None
+            try:
+                services, errors = self._interval(prev, snapshot, service_of)
+            except BaseException:
+                self._carry = snapshot
+                raise
             record = IntervalRecord(
                 start=prev.wall,
                 end=snapshot.wall,
@@ -264,35 +282,21 @@ class Store:
         for (cgid, kind), slots in cur.hists.items():
             if kind not in (HIST_RUNQ, HIST_IOWAIT):
                 raise ValueError(f"unknown histogram kind {kind} for cgroup {cgid}")
-            before = prev.hists.get((cgid, kind), {})
             for slot, b in slots.items():
-                old = before.get(slot)
-                dc, ds = _pair_delta(None if old is None else (old.count, old.sum_ns), (b.count, b.sum_ns))
-                if dc or ds:
-                    service(cgid).add_bucket(kind, slot, dc, ds)
+                if b.count or b.sum_ns:
+                    service(cgid).add_bucket(kind, slot, b.count, b.sum_ns)
 
         for (victim, preemptor), p in cur.pairs.items():
-            old = prev.pairs.get((victim, preemptor))
-            dc, dw = _pair_delta(None if old is None else (old.count, old.wait_ns), (p.count, p.wait_ns))
-            if dc or dw:
-                by = UNKNOWN_SERVICE if preemptor == 0 else name(preemptor)
-                service(victim).add_pair(by, dc, dw)
+            if p.count or p.wait_ns:
+                service(victim).add_pair(UNKNOWN_SERVICE if preemptor == 0 else name(preemptor), p.count, p.wait_ns)
 
         for (victim, holder), p in cur.holders.items():
-            old = prev.holders.get((victim, holder))
-            dc, dw = _pair_delta(None if old is None else (old.count, old.wait_ns), (p.count, p.wait_ns))
-            if dc or dw:
-                service(victim).add_holder(IDLE if holder == 0 else name(holder), dc, dw)
+            if p.count or p.wait_ns:
+                service(victim).add_holder(IDLE if holder == 0 else name(holder), p.count, p.wait_ns)
 
-        zero = CgroupCounters()
         for cgid, c in cur.cgroups.items():
-            before = prev.cgroups.get(cgid, zero)
-            d = (
-                _delta(before.migrations, c.migrations),
-                _delta(before.untraced_switch_in, c.untraced_switch_in),
-                _delta(before.untraced_switch_out, c.untraced_switch_out),
-                _delta(before.untraced_wakeup, c.untraced_wakeup),
-            )
+            d = (c.migrations, c.untraced_switch_in, c.untraced_switch_out, c.untraced_wakeup,
+                 c.lost_runq, c.lost_runq_ns, c.lost_iowait, c.lost_iowait_ns, c.lost_blame, c.lost_blame_ns)
             if any(d):
                 s = service(cgid)
                 for i, v in enumerate(d):

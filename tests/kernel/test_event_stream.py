@@ -50,13 +50,12 @@ def test_only_watched_cgroups_stream(probe):
     """The busy host streams nothing while an idle cgroup is the only one watched."""
     with TestCgroup("idle") as idle:
         probe.watch({idle.id})
-        before = probe.snapshot()
+        probe.snapshot()
         time.sleep(0.5)
         events = probe.drain_events()
-        after = probe.snapshot()
+        after = probe.snapshot()  # drained: the counts of the last 0.5 s
         probe.watch(set())
-    host_runs = sum(b.count for (cg, kind), h in after.hists.items() if kind == HIST_RUNQ for b in h.values()) \
-        - sum(b.count for (cg, kind), h in before.hists.items() if kind == HIST_RUNQ for b in h.values())
+    host_runs = sum(b.count for (cg, kind), h in after.hists.items() if kind == HIST_RUNQ for b in h.values())
     assert host_runs > 0 and events == []
 
 
@@ -74,11 +73,10 @@ def test_kernel_threads_are_counted_apart_from_host(probe):
     time.sleep(0.3)  # every marked thread switches out once: its state is known
     with TestCgroup("io") as io:
         with TraceRecorder() as rec:
-            before = probe.snapshot()
+            probe.snapshot()
             io.spawn(iowait_argv(2.0)).wait(timeout=30)  # flushes wake kworkers
-            after = probe.snapshot()
-    counts = [sum(b.count for b in s.hists.get((KERNEL_CGID, HIST_RUNQ), {}).values()) for s in (before, after)]
-    agent_waits = counts[1] - counts[0]
+            after = probe.snapshot()  # drained: what happened between the two
+    agent_waits = sum(b.count for b in after.hists.get((KERNEL_CGID, HIST_RUNQ), {}).values())
     # The reference over the recording (which brackets the two snapshots by a
     # few milliseconds), for the kernel threads and any kthreadd forked meanwhile.
     ref = reference(rec.events, set(kthreads) | set(kernel_thread_tids()))

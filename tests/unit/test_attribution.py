@@ -119,3 +119,26 @@ def test_slo_breaches_count_intervals() -> None:
     b.observe(40.0, good)  # older than the retention window: gone from between(), kept in totals
     assert b.between(0.0, 40.0) == {}
     assert b.totals()[("web", "runq_p99")] == 2
+
+
+def test_lost_waits_stay_unattributed_and_lower_coverage() -> None:
+    # 1.0 s recorded (10 waits of 100 ms) + 0.5 s that no histogram slot took
+    # (5 waits); 0.4 s behind "batch" recorded, 0.6 s of wakeup wait with no
+    # blame entry.
+    f = figures([100 * MS] * 10, {})
+    f = ServiceInterval(runq=f.runq, iowait=f.iowait, preempted_by=f.preempted_by, migrations=0,
+                        untraced_switch_in=0, untraced_switch_out=0, untraced_wakeup=0, cgroups=f.cgroups,
+                        waited_behind=MappingProxyType({"batch": PairCounters(4, 400 * MS)}),
+                        lost_runq=PairCounters(5, 500 * MS), lost_blame=PairCounters(11, 1100 * MS))
+    b = blame("web", f)
+    assert b["delay_seconds"] == pytest.approx(1.5)
+    # Known culprits keep their measured time; the rest is named unattributed.
+    assert b["culprits"] == [pytest.approx({"service": "batch", "kind": "neighbour", "seconds": 0.4,
+                                            "share": 0.4 / 1.5})]
+    assert b["unattributed"]["seconds"] == pytest.approx(1.1)
+    assert b["cause"] == "unattributed"
+    assert sum(s["share"] for s in b["shares"]) == pytest.approx(1.0)
+    rec = service_record("web", 0.0, 1.0, f)
+    assert rec["runq"]["coverage"] == pytest.approx(10 / 15)
+    assert rec["runq"]["lost"] == 5
+    assert "no recorded culprit" in rec["verdict"]

@@ -53,15 +53,22 @@ MIGRATIONS = [{11: 7, 21: 2}, {11: 9, 12: 4, 21: 2}]
 
 
 def _snapshot(upto: int) -> ProbeSnapshot:
-    """Cumulative kernel counters after `upto` intervals (0 = baseline)."""
+    """What the drained kernel maps hand over for interval `upto` (0 = the
+    baseline); PAIRS and MIGRATIONS are cumulative, the snapshot their growth."""
     hists = {}
     for kind, table in ((HIST_RUNQ, RUNQ), (HIST_IOWAIT, IOWAIT)):
         for cg, per_interval in table.items():
-            vals = [v for chunk in per_interval[:upto] for v in chunk]
+            vals = per_interval[upto - 1] if upto else []
             if vals:
                 hists[(cg, kind)] = dict(Histogram.from_ns(vals).items())
-    pairs = PAIRS[upto - 1] if upto else {}
-    cgroups = {cg: CgroupCounters(migrations=n) for cg, n in (MIGRATIONS[upto - 1] if upto else {}).items()}
+    pairs, cgroups = {}, {}
+    if upto:
+        before = PAIRS[upto - 2] if upto > 1 else {}
+        for k, p in PAIRS[upto - 1].items():
+            b = before.get(k, PairCounters(0, 0))
+            pairs[k] = PairCounters(p.count - b.count, p.wait_ns - b.wait_ns)
+        mig_before = MIGRATIONS[upto - 2] if upto > 1 else {}
+        cgroups = {cg: CgroupCounters(migrations=n - mig_before.get(cg, 0)) for cg, n in MIGRATIONS[upto - 1].items()}
     return ProbeSnapshot(mono_ns=upto * 10**9, wall=T0 + upto, hists=hists, pairs=dict(pairs), cgroups=cgroups,
                          errors={"tasks": 2 * upto}, programs={"sched_switch": ProgramStats(1000 * upto, 77 * upto)})
 
@@ -203,8 +210,8 @@ class _IngestDuringCollect(Collector):
         if not self.done:
             self.done = True
             last = _snapshot(2)
-            extra = dataclasses.replace(last, mono_ns=last.mono_ns + 10**9, wall=last.wall + 1, cgroups={
-                cg: CgroupCounters(migrations=c.migrations + 100) for cg, c in last.cgroups.items()})
+            extra = dataclasses.replace(last, mono_ns=last.mono_ns + 10**9, wall=last.wall + 1, hists={}, pairs={},
+                                        cgroups={cg: CgroupCounters(migrations=100) for cg in last.cgroups})
             self.store.ingest(extra, SERVICES.__getitem__)
         return []
 

@@ -60,7 +60,9 @@ def prometheus_histogram_quantile(q: float, buckets: Sequence[tuple[float, float
 
 
 class Recorder:
-    """Cumulative kernel-side state built from raw events, as the BPF maps hold it."""
+    """Kernel-side counts built from raw events. The lists and sums are
+    cumulative (the brute-force reference); snapshot() hands over only what
+    came since the previous one, as the drained BPF maps do."""
 
     def __init__(self) -> None:
         self.runq: dict[int, list[int]] = {}
@@ -70,17 +72,30 @@ class Recorder:
         self.switch_cnt = 0
         self.switch_ns = 0
         self.map_errors = 0
+        self._sent: dict[object, object] = {}
+
+    def _since_last(self, key: object, now: object, zero: object) -> object:
+        before = self._sent.get(key, zero)
+        self._sent[key] = now
+        return before
 
     def snapshot(self, t: float) -> ProbeSnapshot:
         hists: dict[tuple[int, int], dict[int, Bucket]] = {}
         for kind, per_cg in ((0, self.runq), (1, self.iowait)):
             for cg, values in per_cg.items():
-                hists[(cg, kind)] = dict(Histogram.from_ns(values).items())
+                done = self._since_last(("hist", kind, cg), len(values), 0)
+                if values[done:]:
+                    hists[(cg, kind)] = dict(Histogram.from_ns(values[done:]).items())
+        pairs = {}
+        for k, (c, w) in self.pairs.items():
+            c0, w0 = self._since_last(("pair", k), (c, w), (0, 0))
+            pairs[k] = PairCounters(c - c0, w - w0)
+        cgroups = {}
+        for cg, n in self.migrations.items():
+            n0 = self._since_last(("migrations", cg), n, 0)
+            cgroups[cg] = CgroupCounters(migrations=n - n0, untraced_switch_in=n // 10 - n0 // 10)
         return ProbeSnapshot(
-            mono_ns=int(t * 1e9), wall=t, hists=hists,
-            pairs={k: PairCounters(c, w) for k, (c, w) in self.pairs.items()},
-            cgroups={cg: CgroupCounters(migrations=n, untraced_switch_in=n // 10)
-                     for cg, n in self.migrations.items()},
+            mono_ns=int(t * 1e9), wall=t, hists=hists, pairs=pairs, cgroups=cgroups,
             errors={"hists": self.map_errors},
             programs={"sched_switch": ProgramStats(self.switch_cnt, self.switch_ns)},
         )

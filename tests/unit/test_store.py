@@ -1,4 +1,4 @@
-"""Store: hand-made snapshot sequences with hand-computed interval deltas."""
+"""Store: hand-made drained snapshots (one interval of counts each) with hand-computed intervals."""
 
 from __future__ import annotations
 
@@ -62,17 +62,16 @@ S1 = snap(
 S2 = snap(
     2,
     hists={
-        (WEB_A, R): {20: Bucket(5, 3000), 21: Bucket(1, 700)},  # +3 in slot 20, new slot 21
-        (WEB_B, R): {20: Bucket(1, 600)},                         # unchanged; slot 40 vanished
-        (BATCH, R): {40: Bucket(1, 5100)},                        # entry re-created: reset
-        (WEB_A, IO): {100: Bucket(1, 70000)},                     # unchanged
+        (WEB_A, R): {20: Bucket(3, 1800), 21: Bucket(1, 700)},
+        (WEB_B, R): {20: Bucket(0, 0)},                           # an entry that counted nothing
+        (BATCH, R): {40: Bucket(1, 5100)},
     },
-    pairs={(WEB_A, BATCH): PairCounters(3, 4000), (BATCH, WEB_A): PairCounters(1, 250)},
+    pairs={(WEB_A, BATCH): PairCounters(1, 1000), (BATCH, WEB_A): PairCounters(1, 250)},
     cgroups={
-        WEB_A: CgroupCounters(migrations=5),
-        BATCH: CgroupCounters(migrations=0, untraced_switch_in=1, untraced_wakeup=2),
+        WEB_A: CgroupCounters(migrations=2),
+        BATCH: CgroupCounters(untraced_wakeup=2),
     },
-    errors={"hists": 2},
+    errors={"hists": 2},                                          # cumulative: +2
     programs={"sched_switch": ProgramStats(250, 90_000)},
 )
 
@@ -124,18 +123,17 @@ def test_first_interval_aggregates_cgroups_per_service() -> None:
     assert dict(r1.errors) == {}
 
 
-def test_second_interval_deltas_resets_and_vanished_keys() -> None:
+def test_second_interval_is_the_drained_counts() -> None:
     _, _, (_, _, r2) = filled_store()
     web, batch = r2.services["web"], r2.services["batch"]
     assert web.runq == WEB_2_RUNQ
     assert web.iowait.count == 0
     assert dict(web.preempted_by) == {"batch": PairCounters(1, 1000)}
     assert web.migrations == 2
-    # WEB_B's counters did not move (and a slot vanished): it did nothing.
+    # WEB_B's entry counted nothing: it did nothing.
     assert web.cgroups == frozenset({WEB_A})
-    assert batch.runq == BATCH_2_RUNQ          # reset: the new value itself
+    assert batch.runq == BATCH_2_RUNQ
     assert dict(batch.preempted_by) == {"web": PairCounters(1, 250)}
-    # migrations went 1 -> 0 (reset to zero): contributes 0, never negative.
     assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (0, 0, 2)
     assert dict(r2.errors) == {"hists": 2}
 
@@ -152,7 +150,7 @@ def test_service_of_called_once_per_cgroup_per_ingest() -> None:
     assert resolver.calls[WEB_A] == 1 and resolver.calls[BATCH] == 1
 
 
-def test_probe_reload_resets_every_counter() -> None:
+def test_probe_reload_restarts_the_error_counters() -> None:
     store, resolver, _ = filled_store()
     reloaded = snap(
         3,
@@ -215,8 +213,7 @@ def _runq_only(t: int, count: int) -> ProbeSnapshot:
 def test_retention_prunes_old_intervals_but_not_totals() -> None:
     store = Store(retention_s=2.5, clock=lambda: 1006.0)
     resolver = CountingResolver()
-    counts = [0, 1, 3, 6, 10, 15, 21]  # cumulative; interval i adds i
-    for t, c in enumerate(counts):
+    for t, c in enumerate(range(7)):  # interval i counts i
         store.ingest(_runq_only(t, c), resolver)
     # Newest end 1006: ends >= 1003.5 are kept.
     assert [r.end for r in store.records(since_s=100)] == [1004.0, 1005.0, 1006.0]
@@ -227,18 +224,19 @@ def test_retention_prunes_old_intervals_but_not_totals() -> None:
     assert store.latest().end == 1006.0
 
 
-def test_totals_are_monotonic_across_resets() -> None:
-    store = Store(retention_s=1.0)
-    resolver = CountingResolver()
-    cumulative = [0, 5, 9, 2, 7, 7, 1]  # resets after 9 and after 7
-    expected_deltas = [5, 4, 2, 5, 0, 1]
-    seen = []
-    for t, c in enumerate(cumulative):
-        store.ingest(_runq_only(t, c), resolver)
-        web = store.totals().get("web")
-        seen.append(web.runq.count if web else 0)
-    assert seen[1:] == [sum(expected_deltas[: i + 1]) for i in range(len(expected_deltas))]
-    assert seen == sorted(seen)
+def test_lost_waits_and_coverage_are_summed_per_service() -> None:
+    store = Store(60)
+    store.ingest(BASE, CountingResolver())
+    lost = snap(1, hists={(WEB_A, R): {20: Bucket(3, 900)}},
+                cgroups={WEB_A: CgroupCounters(lost_runq=1, lost_runq_ns=400, lost_blame=2, lost_blame_ns=700),
+                         WEB_B: CgroupCounters(lost_runq=2, lost_runq_ns=800, lost_iowait=1, lost_iowait_ns=5)})
+    web = store.ingest(lost, CountingResolver()).services["web"]
+    assert web.lost_runq == PairCounters(3, 1200)
+    assert web.lost_iowait == PairCounters(1, 5)
+    assert web.lost_blame == PairCounters(2, 700)
+    assert web.coverage == pytest.approx(3 / 6)
+    assert store.totals()["web"].lost_runq == PairCounters(3, 1200)
+    assert store.window(60, now=1001.0).services["web"].coverage == pytest.approx(0.5)
 
 
 def test_programs_and_readers_get_immutable_objects() -> None:
@@ -253,7 +251,7 @@ def test_programs_and_readers_get_immutable_objects() -> None:
     assert store.totals()["web"].runq.count == 8
 
 
-def test_failed_resolution_commits_nothing() -> None:
+def test_failed_resolution_carries_the_counts_over() -> None:
     store = Store(60)
     store.ingest(BASE, CountingResolver())
 
@@ -264,9 +262,11 @@ def test_failed_resolution_commits_nothing() -> None:
         store.ingest(S1, broken)
     assert store.intervals_collected == 0
     rec = store.ingest(S2, CountingResolver())
-    # The interval now runs from the baseline: S2's full cumulative values.
+    # S1's counts, drained from the kernel already, are carried into this interval.
     assert rec.start == 1000.0
-    assert rec.services["web"].runq == Histogram({20: Bucket(6, 3600), 21: Bucket(1, 700)})
+    assert rec.services["web"].runq == WEB_1_RUNQ + WEB_2_RUNQ
+    assert dict(rec.services["web"].preempted_by) == {"batch": PairCounters(3, 4000), "unknown": PairCounters(1, 500)}
+    assert rec.services["batch"].migrations == 1
 
 
 def test_concurrent_readers_see_consistent_windows() -> None:
@@ -288,10 +288,8 @@ def test_concurrent_readers_see_consistent_windows() -> None:
     readers = [threading.Thread(target=read) for _ in range(3)]
     for t in readers:
         t.start()
-    c = 0
     for i in range(1, 300):
-        c += i
-        store.ingest(_runq_only(i, c), resolver)
+        store.ingest(_runq_only(i, i), resolver)
     stop.set()
     for t in readers:
         t.join()

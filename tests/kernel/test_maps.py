@@ -1,0 +1,125 @@
+"""The counting maps hold one interval of live data: memory as the formula
+says, dead cgroups gone after a drain, and what a full map could not take
+counted per cgroup against the tracefs reference."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from agent.snapshot import HIST_RUNQ
+from tests.support.tracefs import TraceRecorder, reference
+from tests.support.workload import TestCgroup, hog_argv, victim_argv, wait_zombie
+
+pytestmark = pytest.mark.kernel
+
+
+def _possible_cpus() -> int:
+    n = 0
+    for part in open("/sys/devices/system/cpu/possible").read().strip().split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def _fdinfo(fd: int) -> dict[str, str]:
+    out = {}
+    for line in open(f"/proc/self/fdinfo/{fd}").read().splitlines():
+        k, _, v = line.partition(":")
+        out[k.strip()] = v.strip()
+    return out
+
+
+MAP_TYPE_NAMES = {1: "hash", 2: "array", 5: "percpu_hash", 6: "percpu_array", 9: "lru_hash", 27: "ringbuf"}
+
+
+def test_map_memory_is_the_documented_formula(probe):
+    """The kernel's own memlock charge of every map equals bench/mapmem.py's
+    formula for this host's possible CPUs; at 64 CPUs the total stays within
+    64 MiB because no counting map is per-CPU."""
+    from bench.mapmem import MIB, MapShape, map_bytes
+
+    cpus = _possible_cpus()
+    shapes, measured = [], 0
+    for name in ("tasks", "hists", "blame", "cgroups", "errors", "ctl", "watched", "event_rates", "events"):
+        info = _fdinfo(probe.bpf[name.encode()].map_fd)
+        shape = MapShape(name, MAP_TYPE_NAMES[int(info["map_type"])], int(info["max_entries"]),
+                         int(info["key_size"]), int(info["value_size"]))
+        memlock = int(info["memlock"])
+        assert map_bytes(shape, cpus) == pytest.approx(memlock, rel=0.01, abs=1024), name
+        shapes.append(shape)
+        measured += memlock
+    total_64 = sum(map_bytes(s, 64) for s in shapes)
+    print(f"\nBPF map memory: {measured / MIB:.1f} MiB here ({cpus} CPUs), {total_64 / MIB:.1f} MiB at 64 CPUs")
+    assert total_64 <= 64 * MIB
+
+
+def _map_cgids(probe) -> dict[str, set[int]]:
+    import numpy as np
+
+    out = {}
+    for name, field in (("hists", "cgid"), ("blame", "victim_cgid"), ("cgroups", "cgid")):
+        keys = [k for k, _ in probe._batches(name)]
+        out[name] = set(np.concatenate(keys)[field].tolist()) if keys else set()
+    return out
+
+
+def test_dead_cgroups_leave_the_maps(probe):
+    """Forty busy cgroups come and go; two drains later none of their ids is
+    left in any counting map, and what they counted was handed over."""
+    cgs = [TestCgroup(f"churn{i}") for i in range(40)]
+    ids = set()
+    try:
+        for cg in cgs:
+            cg.__enter__()
+            ids.add(cg.id)
+            cg.spawn(victim_argv(0.4, sleep_ms=0.5, work_ms=0.2))
+        time.sleep(0.6)
+    finally:
+        for cg in cgs:
+            cg.close()
+    first = probe.snapshot()
+    second = probe.snapshot()
+    counted = {cg for (cg, kind) in first.hists if kind == HIST_RUNQ} & ids
+    assert len(counted) >= 35, "the short-lived cgroups hardly ran: the workload is broken"
+    assert not ({cg for (cg, _) in second.hists} & ids)
+    left = _map_cgids(probe)
+    assert all(not (cgids & ids) for cgids in left.values()), left
+
+
+def test_full_maps_count_what_they_lose(kernel):
+    """With maps far too small for the host, the victim's waits that found no
+    room are counted as lost for its cgroup: recorded + lost equals the
+    reference count, and its blame is incomplete rather than rescaled."""
+    from agent.probe import features
+    from agent.probe.loader import MapSizes, Probe
+
+    tiny = Probe.load(features.detect(), MapSizes(hists=16, blame=4, cgroups=4096))
+    try:
+        with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg:
+            for i in range(4):
+                noisy.spawn(hog_argv(cpu=i % 2))
+            time.sleep(0.3)
+            tiny.snapshot()
+            with TraceRecorder() as rec:
+                v = victim_cg.spawn(victim_argv(2.0, sleep_ms=1.0, work_ms=0.3))
+                wait_zombie(v.pid, timeout=30)
+            time.sleep(0.05)
+            snap = tiny.snapshot()
+            tids = set(os.listdir(f"/proc/{v.pid}/task"))
+            v.wait()
+    finally:
+        tiny.close()
+    ref = reference(rec.events, {int(t) for t in tids})
+    counted = sum(b.count for b in snap.hists.get((victim_cg.id, HIST_RUNQ), {}).values())
+    lost = snap.cgroups[victim_cg.id]
+    blamed = sum(p.count for (victim, _), p in (snap.pairs | snap.holders).items() if victim == victim_cg.id)
+    print(f"\nvictim waits: {counted} recorded + {lost.lost_runq} lost vs reference {len(ref.runq_waits_ns)}; "
+          f"blame {blamed} recorded + {lost.lost_blame} lost")
+    assert len(ref.runq_waits_ns) > 500
+    assert lost.lost_runq > 0 and lost.lost_blame > 0
+    assert counted + lost.lost_runq == pytest.approx(len(ref.runq_waits_ns), rel=0.03)
+    assert blamed + lost.lost_blame == counted + lost.lost_runq
+    assert snap.errors["hists"] > 0 and snap.errors["pairs"] > 0
