@@ -9,7 +9,12 @@ everything downstream is testable with recorded data.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 # hist kinds, as in bpf/sched.h
 HIST_RUNQ = 0
@@ -18,15 +23,16 @@ HIST_IOWAIT = 1
 KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
 
 
-@dataclass(frozen=True)
-class Bucket:
+class Bucket(NamedTuple):
+    """One histogram slot. A named tuple: a node makes hundreds of thousands a
+    second, and tuples are built in C."""
+
     count: int
     sum_ns: int
 
 
-@dataclass(frozen=True)
-class PairCounters:
-    """Preemptions of a victim cgroup by a preemptor cgroup."""
+class PairCounters(NamedTuple):
+    """Waits of a victim blamed on one culprit: how many, and how long."""
 
     count: int
     wait_ns: int
@@ -75,48 +81,85 @@ class SchedEvent:
     tid: int
 
 
+# Blame kinds, as in bpf/sched.h (blame_key.kind).
+BLAME_PREEMPTED = 0
+BLAME_HOLDER = 1
+
+# Column layouts of a drained snapshot: one row per map entry.
+HIST_ROW = np.dtype([("cgid", np.uint64), ("kind", np.uint16), ("slot", np.uint32), ("count", np.int64),
+                     ("sum_ns", np.int64)])
+BLAME_ROW = np.dtype([("victim", np.uint64), ("culprit", np.uint64), ("kind", np.uint16), ("count", np.int64),
+                      ("wait_ns", np.int64)])
+CGROUP_FIELDS = tuple(CgroupCounters.__dataclass_fields__)
+CGROUP_ROW = np.dtype([("cgid", np.uint64)] + [(f, np.int64) for f in CGROUP_FIELDS])
+
+
 @dataclass(frozen=True)
 class ProbeSnapshot:
+    """One drained interval of kernel counts, as columns (numpy structured
+    arrays, one row per map entry): a node's worth of entries moves from the
+    kernel to the store without a Python object per entry. The dict views
+    (hists, pairs, holders, cgroups) are for tests and tools."""
+
     mono_ns: int                 # CLOCK_MONOTONIC when the maps were read
     wall: float                  # Unix seconds at the same instant
-    # Counts of the interval (drained): hists, pairs, holders, cgroups.
-    # (cgroup id, HIST_RUNQ | HIST_IOWAIT) -> {slot: Bucket}
-    hists: dict[tuple[int, int], dict[int, Bucket]] = field(default_factory=dict)
-    # (victim cgroup id, preemptor cgroup id) -> PairCounters; preemptor 0 = unknown
-    pairs: dict[tuple[int, int], PairCounters] = field(default_factory=dict)
-    # (victim cgroup id, cgroup that held the CPU until the wait ended) -> the
-    # run-queue waits that followed a wakeup; holder 0 = the CPU was idle
-    holders: dict[tuple[int, int], PairCounters] = field(default_factory=dict)
-    cgroups: dict[int, CgroupCounters] = field(default_factory=dict)
+    # Counts of the interval (drained):
+    hist_rows: np.ndarray = field(default_factory=lambda: np.empty(0, HIST_ROW))
+    blame_rows: np.ndarray = field(default_factory=lambda: np.empty(0, BLAME_ROW))
+    cgroup_rows: np.ndarray = field(default_factory=lambda: np.empty(0, CGROUP_ROW))
     # Cumulative since load:
     errors: dict[str, int] = field(default_factory=dict)          # map name -> failed updates
     programs: dict[str, ProgramStats] = field(default_factory=dict)  # program -> cost
 
+    @classmethod
+    def from_dicts(cls, mono_ns: int, wall: float,
+                   hists: Mapping[tuple[int, int], Mapping[int, Bucket]] | None = None,
+                   pairs: Mapping[tuple[int, int], PairCounters] | None = None,
+                   holders: Mapping[tuple[int, int], PairCounters] | None = None,
+                   cgroups: Mapping[int, CgroupCounters] | None = None,
+                   errors: dict[str, int] | None = None,
+                   programs: dict[str, ProgramStats] | None = None) -> ProbeSnapshot:
+        """From the dict shapes: hists (cgroup, kind) -> {slot: Bucket};
+        pairs (victim, preemptor; 0 = unknown) and holders (victim, holder of
+        the CPU; 0 = idle) -> PairCounters; cgroups cgroup -> CgroupCounters."""
+        h = [(cg, kind, slot, b.count, b.sum_ns) for (cg, kind), slots in (hists or {}).items()
+             for slot, b in slots.items()]
+        b = [(v, c, BLAME_PREEMPTED, p.count, p.wait_ns) for (v, c), p in (pairs or {}).items()]
+        b += [(v, c, BLAME_HOLDER, p.count, p.wait_ns) for (v, c), p in (holders or {}).items()]
+        c = [(cg, *(getattr(cc, f) for f in CGROUP_FIELDS)) for cg, cc in (cgroups or {}).items()]
+        return cls(mono_ns, wall, np.array(h, HIST_ROW), np.array(b, BLAME_ROW), np.array(c, CGROUP_ROW),
+                   dict(errors or {}), dict(programs or {}))
 
-def _add_pairs(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, p in b.items():
-        q = out.get(k)
-        out[k] = p if q is None else PairCounters(q.count + p.count, q.wait_ns + p.wait_ns)
-    return out
+    @functools.cached_property
+    def hists(self) -> dict[tuple[int, int], dict[int, Bucket]]:
+        out: dict[tuple[int, int], dict[int, Bucket]] = {}
+        for cg, kind, slot, count, total in self.hist_rows.tolist():
+            out.setdefault((cg, kind), {})[slot] = Bucket(count, total)
+        return out
+
+    def _blame(self, kind: int) -> dict[tuple[int, int], PairCounters]:
+        return {(v, c): PairCounters(n, w) for v, c, k, n, w in self.blame_rows.tolist() if k == kind}
+
+    @functools.cached_property
+    def pairs(self) -> dict[tuple[int, int], PairCounters]:
+        return self._blame(BLAME_PREEMPTED)
+
+    @functools.cached_property
+    def holders(self) -> dict[tuple[int, int], PairCounters]:
+        return self._blame(BLAME_HOLDER)
+
+    @functools.cached_property
+    def cgroups(self) -> dict[int, CgroupCounters]:
+        return {cg: CgroupCounters(*rest) for cg, *rest in self.cgroup_rows.tolist()}
 
 
 def carry_over(earlier: ProbeSnapshot, later: ProbeSnapshot) -> ProbeSnapshot:
     """One drained snapshot holding the counts of two consecutive ones, stamped
     with the later's time: an interval that could not be recorded is folded
-    into the next instead of being lost (its counts are gone from the kernel)."""
-    hists = {k: dict(v) for k, v in earlier.hists.items()}
-    for key, slots in later.hists.items():
-        mine = hists.setdefault(key, {})
-        for slot, b in slots.items():
-            old = mine.get(slot)
-            mine[slot] = b if old is None else Bucket(old.count + b.count, old.sum_ns + b.sum_ns)
-    cgroups = dict(earlier.cgroups)
-    for cgid, c in later.cgroups.items():
-        old = cgroups.get(cgid)
-        cgroups[cgid] = c if old is None else CgroupCounters(
-            *(getattr(old, f) + getattr(c, f) for f in CgroupCounters.__dataclass_fields__))
-    return ProbeSnapshot(mono_ns=later.mono_ns, wall=later.wall, hists=hists,
-                         pairs=_add_pairs(earlier.pairs, later.pairs),
-                         holders=_add_pairs(earlier.holders, later.holders), cgroups=cgroups,
-                         errors=later.errors, programs=later.programs)
+    into the next instead of being lost (its counts are gone from the kernel).
+    Rows of the same key may repeat; the store sums them."""
+    return ProbeSnapshot(later.mono_ns, later.wall,
+                         np.concatenate([earlier.hist_rows, later.hist_rows]),
+                         np.concatenate([earlier.blame_rows, later.blame_rows]),
+                         np.concatenate([earlier.cgroup_rows, later.cgroup_rows]),
+                         later.errors, later.programs)

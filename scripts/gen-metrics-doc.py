@@ -41,10 +41,10 @@ def synthetic_store() -> tuple[Store, Sources]:
     family of the catalog shows up in one scrape."""
     store = Store(retention_s=900, clock=lambda: 1_000.0)
     names = {1: "api", 2: "batch"}
-    store.ingest(ProbeSnapshot(0, 998.0), names.__getitem__)
+    store.ingest(ProbeSnapshot.from_dicts(0, 998.0), names.__getitem__)
     runq = Histogram.from_ns([20_000, 45_000, 3_000_000])
     io = Histogram.from_ns([4_000_000])
-    store.ingest(ProbeSnapshot(
+    store.ingest(ProbeSnapshot.from_dicts(
         mono_ns=10**9, wall=999.0,
         hists={(1, 0): dict(runq.items()), (2, 0): dict(runq.items()), (1, 1): dict(io.items())},
         pairs={(1, 2): PairCounters(2, 3_000_000), (2, 1): PairCounters(1, 20_000)},

@@ -227,7 +227,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     """Every family of CATALOG, in catalog order, from one look at the store."""
     # Window first: a scrape racing an ingest then sees totals at least as new
     # as the window, never a window newer than the counters.
-    window = store.window(QUANTILE_WINDOW_S, now=now)
+    window = store.window(QUANTILE_WINDOW_S, now=now, blame=False)
     totals = store.totals()
     services = sorted(totals)
     bounds = sources.bounds

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes as ct
 
+from agent.snapshot import CGROUP_FIELDS
+
 
 class TaskInfo(ct.Structure):
     _fields_ = [
@@ -45,20 +47,13 @@ class CgroupKey(ct.Structure):
     _fields_ = [("cgid", ct.c_uint64), ("gen", ct.c_uint32), ("pad", ct.c_uint32)]
 
 
-# cgroup_val, in the order of bpf/sched.h (CG_* indices)
-CGROUP_FIELDS = (
-    "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
-    "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
-)
+# cgroup_val's fields are CgroupCounters', in the order of bpf/sched.h (CG_* indices).
 
 
 class CgroupVal(ct.Structure):
     _fields_ = [(name, ct.c_uint64) for name in CGROUP_FIELDS]
 
 
-# blame_key.kind
-BLAME_PREEMPTED = 0
-BLAME_HOLDER = 1
 
 
 class SchedEvent(ct.Structure):

@@ -20,10 +20,10 @@ import agent
 from agent.probe.features import Features
 import numpy as np
 
-from agent.probe.layout import BLAME_PREEMPTED, CGROUP_FIELDS, ERROR_MAPS, MAP_TYPES, Ctl, TaskInfo
+from agent.probe.layout import ERROR_MAPS, MAP_TYPES, Ctl, TaskInfo
 from agent.probe.layout import SchedEvent as RawEvent
-from agent.snapshot import (KERNEL_CGID, Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats,
-                            SchedEvent)
+from agent.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
+                            ProgramStats, SchedEvent)
 
 # bpf/sched.h
 TS_RUNNING = 1
@@ -200,10 +200,9 @@ class Probe:
         hist_keys, hist_vals = self._drain("hists", old)
         blame_keys, blame_vals = self._drain("blame", old)
         cg_keys, cg_vals = self._drain("cgroups", old)
-        return ProbeSnapshot(mono_ns=mono, wall=wall, hists=_hists(hist_keys, hist_vals),
-                             pairs=_blame(blame_keys, blame_vals, preempted=True),
-                             holders=_blame(blame_keys, blame_vals, preempted=False),
-                             cgroups=_cgroups(cg_keys, cg_vals), errors=self._error_counts(),
+        return ProbeSnapshot(mono_ns=mono, wall=wall, hist_rows=_hist_rows(hist_keys, hist_vals),
+                             blame_rows=_blame_rows(blame_keys, blame_vals),
+                             cgroup_rows=_cgroup_rows(cg_keys, cg_vals), errors=self._error_counts(),
                              programs=self.program_stats())
 
     def _error_counts(self) -> dict[str, int]:
@@ -310,22 +309,22 @@ class Probe:
             in_batch.value = out_batch.value
 
 
-def _hists(keys: np.ndarray, vals: np.ndarray) -> dict[tuple[int, int], dict[int, Bucket]]:
-    out: dict[tuple[int, int], dict[int, Bucket]] = {}
-    for cgid, kind, slot, count, total in zip(keys["cgid"].tolist(), keys["kind"].tolist(), keys["slot"].tolist(),
-                                              vals["count"].tolist(), vals["sum_ns"].tolist()):
-        out.setdefault((cgid, kind), {})[slot] = Bucket(count, total)
+def _rows(dtype: np.dtype, n: int, **columns: np.ndarray) -> np.ndarray:
+    out = np.empty(n, dtype)
+    for name, col in columns.items():
+        out[name] = col
     return out
 
 
-def _blame(keys: np.ndarray, vals: np.ndarray, *, preempted: bool) -> dict[tuple[int, int], PairCounters]:
-    mine = (keys["kind"] == BLAME_PREEMPTED) == preempted
-    return {(victim, culprit): PairCounters(count, wait)
-            for victim, culprit, count, wait in zip(keys["victim_cgid"][mine].tolist(),
-                                                    keys["culprit_cgid"][mine].tolist(),
-                                                    vals["count"][mine].tolist(), vals["wait_ns"][mine].tolist())}
+def _hist_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    return _rows(HIST_ROW, len(keys), cgid=keys["cgid"], kind=keys["kind"], slot=keys["slot"],
+                 count=vals["count"], sum_ns=vals["sum_ns"])
 
 
-def _cgroups(keys: np.ndarray, vals: np.ndarray) -> dict[int, CgroupCounters]:
-    columns = [vals[f].tolist() for f in CGROUP_FIELDS]
-    return {cgid: CgroupCounters(*row) for cgid, *row in zip(keys["cgid"].tolist(), *columns)}
+def _blame_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    return _rows(BLAME_ROW, len(keys), victim=keys["victim_cgid"], culprit=keys["culprit_cgid"], kind=keys["kind"],
+                 count=vals["count"], wait_ns=vals["wait_ns"])
+
+
+def _cgroup_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    return _rows(CGROUP_ROW, len(keys), cgid=keys["cgid"], **{f: vals[f] for f in CGROUP_FIELDS})

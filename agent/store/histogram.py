@@ -12,8 +12,11 @@ C header; tests/unit/test_histogram.py parses the header to make sure it does.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
 
 from agent.snapshot import Bucket
 
@@ -61,6 +64,10 @@ def slot_bounds(slot: int) -> tuple[int, float]:
     return lo, float(lo + width)
 
 
+# Upper bound (ns, exclusive) of every slot, for vectorised bucket counts.
+_SLOT_HI = np.array([slot_bounds(s)[1] for s in range(HIST_SLOTS)], np.float64)
+
+
 def _is_slot_boundary(ns: int) -> bool:
     return ns >= 0 and slot_bounds(slot_of(ns))[0] == ns
 
@@ -68,27 +75,61 @@ def _is_slot_boundary(ns: int) -> bool:
 class Histogram(Mapping[int, Bucket]):
     """Immutable sparse histogram: slot -> Bucket(count, sum_ns).
 
-    Immutable so the store can hand the same object to any number of reader
-    threads. A bucket may carry a sum with a zero count: the kernel bumps count
-    and sum in two steps, and a map read between them splits one sample across
-    two intervals; keeping the sum keeps wait totals exact.
+    Held as three numpy columns (ascending slots, counts, sums), so that a
+    node's worth of histograms is built, merged and summed with array
+    operations rather than one Python object per slot. Immutable so the store
+    can hand the same object to any number of reader threads. A bucket may
+    carry a sum with a zero count (a read torn between the two updates
+    splits one sample across two intervals; keeping the sum keeps wait totals
+    exact); empty buckets are dropped.
     """
 
-    __slots__ = ("_buckets", "_slots", "_count", "_sum_ns")
+    __slots__ = ("_slots", "_counts", "_sums", "_count", "_sum_ns")
 
     def __init__(self, buckets: Mapping[int, Bucket] | None = None) -> None:
-        kept: dict[int, Bucket] = {}
-        for slot, bucket in (buckets or {}).items():
+        items = sorted((buckets or {}).items())
+        for slot, bucket in items:
             if not 0 <= slot < HIST_SLOTS:
                 raise ValueError(f"slot {slot} outside 0..{HIST_SLOTS - 1}")
             if bucket.count < 0 or bucket.sum_ns < 0:
                 raise ValueError(f"negative bucket {bucket} in slot {slot}")
-            if bucket.count or bucket.sum_ns:
-                kept[slot] = bucket
-        self._slots = tuple(sorted(kept))
-        self._buckets = {s: kept[s] for s in self._slots}
-        self._count = sum(b.count for b in kept.values())
-        self._sum_ns = sum(b.sum_ns for b in kept.values())
+        items = [(s, b) for s, b in items if b.count or b.sum_ns]
+        self._set(np.array([s for s, _ in items], np.int64), np.array([b.count for _, b in items], np.int64),
+                  np.array([b.sum_ns for _, b in items], np.int64))
+
+    def _set(self, slots: np.ndarray, counts: np.ndarray, sums: np.ndarray,
+             count: int | None = None, sum_ns: int | None = None) -> None:
+        # The arrays are never handed out: readers get ints and Buckets.
+        self._slots, self._counts, self._sums = slots, counts, sums
+        self._count = int(counts.sum()) if count is None else count
+        self._sum_ns = int(sums.sum()) if sum_ns is None else sum_ns
+
+    @classmethod
+    def from_arrays(cls, slots: np.ndarray, counts: np.ndarray, sums: np.ndarray,
+                    count: int | None = None, sum_ns: int | None = None) -> Histogram:
+        """From int64 columns the caller vouches for: slots ascending and unique
+        within 0..HIST_SLOTS-1, counts and sums non-negative, no empty slot;
+        count and sum_ns their totals when already known."""
+        h = cls.__new__(cls)
+        h._set(slots, counts, sums, count, sum_ns)
+        return h
+
+    @classmethod
+    def total(cls, hists: Iterable[Histogram]) -> Histogram:
+        """The sum of many histograms in one pass (windows merge hundreds)."""
+        hists = [h for h in hists if len(h._slots)]
+        if not hists:
+            return cls()
+        if len(hists) == 1:
+            return hists[0]
+        slots = np.concatenate([h._slots for h in hists])
+        counts = np.zeros(HIST_SLOTS, np.int64)
+        sums = np.zeros(HIST_SLOTS, np.int64)
+        np.add.at(counts, slots, np.concatenate([h._counts for h in hists]))
+        np.add.at(sums, slots, np.concatenate([h._sums for h in hists]))
+        used = np.flatnonzero((counts != 0) | (sums != 0))
+        return cls.from_arrays(used, counts[used], sums[used],
+                               sum(h._count for h in hists), sum(h._sum_ns for h in hists))
 
     @classmethod
     def from_ns(cls, values: Iterable[int]) -> Histogram:
@@ -102,24 +143,37 @@ class Histogram(Mapping[int, Bucket]):
 
     # Mapping protocol, in slot order.
     def __getitem__(self, slot: int) -> Bucket:
-        return self._buckets[slot]
+        i = int(np.searchsorted(self._slots, slot))
+        if i == len(self._slots) or self._slots[i] != slot:
+            raise KeyError(slot)
+        return Bucket(int(self._counts[i]), int(self._sums[i]))
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._slots)
+        return iter(self._slots.tolist())
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    def items(self):  # type: ignore[override]
+        return list(zip(self._slots.tolist(), map(Bucket, self._counts.tolist(), self._sums.tolist())))
+
+    def values(self):  # type: ignore[override]
+        return list(map(Bucket, self._counts.tolist(), self._sums.tolist()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Histogram):
+            return (np.array_equal(self._slots, other._slots) and np.array_equal(self._counts, other._counts)
+                    and np.array_equal(self._sums, other._sums))
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"Histogram(count={self._count}, sum_ns={self._sum_ns}, slots={len(self._slots)})"
 
     def merge(self, other: Histogram) -> Histogram:
         """Sum of two histograms: histograms of disjoint samples add slot-wise."""
-        merged = dict(self._buckets)
-        for slot, b in other._buckets.items():
-            mine = merged.get(slot)
-            merged[slot] = b if mine is None else Bucket(mine.count + b.count, mine.sum_ns + b.sum_ns)
-        return Histogram(merged)
+        return Histogram.total((self, other))
 
     def __add__(self, other: Histogram) -> Histogram:
         if not isinstance(other, Histogram):
@@ -156,15 +210,21 @@ class Histogram(Mapping[int, Bucket]):
             raise ValueError(f"quantile {q} outside [0, 1]")
         if self._count == 0:
             return 0.0
-        # q <= 1, so rank <= count and the loop always returns.
         rank = q * self._count
-        cum = 0
-        for slot in self._slots:
-            b = self._buckets[slot]
-            if b.count and cum + b.count >= rank:
-                return _value_in_slot(slot, b, rank - cum) / _NS_PER_S
-            cum += b.count
-        raise AssertionError("rank beyond the histogram's count")
+        cum = np.cumsum(self._counts)
+        # First slot with a count whose cumulative count reaches the rank.
+        i = int(np.searchsorted(cum, rank, side="left"))
+        while self._counts[i] == 0:  # a sum-only slot cannot hold the rank
+            i += 1
+        before = int(cum[i] - self._counts[i])
+        b = Bucket(int(self._counts[i]), int(self._sums[i]))
+        return _value_in_slot(int(self._slots[i]), b, rank - before) / _NS_PER_S
+
+    def cumulative_at(self, bounds_ns: np.ndarray) -> np.ndarray:
+        """Count of samples in slots that lie wholly below each bound."""
+        his = _SLOT_HI[self._slots]
+        cum = np.concatenate(([0], np.cumsum(self._counts)))
+        return cum[np.searchsorted(his, bounds_ns, side="right")]
 
 
 def _value_in_slot(slot: int, b: Bucket, rank_in_slot: float) -> float:
@@ -234,23 +294,18 @@ def cumulative_counts(hist: Histogram, bounds: Iterable[float]) -> list[int]:
     count of values < bound; the only difference from Prometheus' `le` is a
     value exactly equal to the bound, which lands one bucket higher.
     """
-    bounds_ns = []
+    return hist.cumulative_at(_bounds_ns(tuple(bounds))).tolist() + [hist.count]
+
+
+@functools.lru_cache(maxsize=16)
+def _bounds_ns(bounds: tuple[float, ...]) -> np.ndarray:
+    """Validated bounds in ns; checked once per bound set, not per service."""
+    out: list[int] = []
     for b in bounds:
         ns = round(b * _NS_PER_S)
         if not _is_slot_boundary(ns):
             raise ValueError(f"bucket bound {b} s is not a histogram slot boundary")
-        if bounds_ns and ns <= bounds_ns[-1]:
+        if out and ns <= out[-1]:
             raise ValueError("bucket bounds must be strictly ascending")
-        bounds_ns.append(ns)
-
-    out: list[int] = []
-    slots = list(hist)
-    i = 0
-    cum = 0
-    for bound in bounds_ns:
-        while i < len(slots) and slot_bounds(slots[i])[1] <= bound:
-            cum += hist[slots[i]].count
-            i += 1
-        out.append(cum)
-    out.append(hist.count)
-    return out
+        out.append(ns)
+    return np.array(out, np.float64)

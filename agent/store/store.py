@@ -17,22 +17,27 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from agent.snapshot import (
+    BLAME_PREEMPTED,
+    CGROUP_FIELDS,
     HIST_IOWAIT,
     HIST_RUNQ,
-    Bucket,
-    CgroupCounters,
     PairCounters,
     ProbeSnapshot,
     ProgramStats,
     carry_over,
 )
-from agent.store.histogram import Histogram
+from agent.store.histogram import HIST_SLOTS, Histogram
 
 # Service name for preemptions whose preemptor cgroup the kernel did not know.
 UNKNOWN_SERVICE = "unknown"
 # Holder of a CPU that was idle until the waiting task got it.
 IDLE = "idle"
+# Culprits beyond the largest CULPRITS_KEPT of a victim in one interval.
+OTHER_CULPRITS = "other"
+CULPRITS_KEPT = 8
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -101,12 +106,16 @@ class Window:
 
 
 class _ServiceSum:
-    """Mutable accumulator for one service; frozen into a ServiceInterval."""
+    """Mutable accumulator for one service; frozen into a ServiceInterval.
 
-    __slots__ = ("hists", "pairs", "holders", "counters", "cgroups")
+    Histograms are collected and summed once at freeze time (one array pass
+    for a whole window instead of one merge per interval)."""
+
+    __slots__ = ("runq", "iowait", "pairs", "holders", "counters", "cgroups")
 
     def __init__(self) -> None:
-        self.hists: dict[int, dict[int, list[int]]] = {HIST_RUNQ: {}, HIST_IOWAIT: {}}
+        self.runq: list[Histogram] = []
+        self.iowait: list[Histogram] = []
         self.pairs: dict[str, list[int]] = {}
         self.holders: dict[str, list[int]] = {}
         # migrations, untraced in/out/wakeup, then lost runq, iowait, blame (count, ns)
@@ -120,23 +129,17 @@ class _ServiceSum:
         cell[0] += count
         cell[1] += total
 
-    def add_bucket(self, kind: int, slot: int, count: int, sum_ns: int) -> None:
-        self._bump(self.hists[kind], slot, count, sum_ns)
-
-    def add_pair(self, preemptor: str, count: int, wait_ns: int) -> None:
-        self._bump(self.pairs, preemptor, count, wait_ns)
-
-    def add_holder(self, holder: str, count: int, wait_ns: int) -> None:
-        self._bump(self.holders, holder, count, wait_ns)
-
-    def add_interval(self, s: ServiceInterval) -> None:
-        for kind, hist in ((HIST_RUNQ, s.runq), (HIST_IOWAIT, s.iowait)):
-            for slot, b in hist.items():
-                self.add_bucket(kind, slot, b.count, b.sum_ns)
-        for name, p in s.preempted_by.items():
-            self.add_pair(name, p.count, p.wait_ns)
-        for name, p in s.waited_behind.items():
-            self.add_holder(name, p.count, p.wait_ns)
+    def add_interval(self, s: ServiceInterval, blame: bool = True) -> None:
+        self.runq.append(s.runq)
+        self.iowait.append(s.iowait)
+        if len(self.runq) > 64:  # long-lived totals: keep the lists short
+            self.runq = [Histogram.total(self.runq)]
+            self.iowait = [Histogram.total(self.iowait)]
+        if blame:
+            for name, p in s.preempted_by.items():
+                self._bump(self.pairs, name, p.count, p.wait_ns)
+            for name, p in s.waited_behind.items():
+                self._bump(self.holders, name, p.count, p.wait_ns)
         for i, v in enumerate(
             (s.migrations, s.untraced_switch_in, s.untraced_switch_out, s.untraced_wakeup,
              s.lost_runq.count, s.lost_runq.wait_ns, s.lost_iowait.count, s.lost_iowait.wait_ns,
@@ -146,12 +149,9 @@ class _ServiceSum:
         self.cgroups |= s.cgroups
 
     def freeze(self) -> ServiceInterval:
-        def hist(kind: int) -> Histogram:
-            return Histogram({s: Bucket(c, t) for s, (c, t) in self.hists[kind].items()})
-
         return ServiceInterval(
-            runq=hist(HIST_RUNQ),
-            iowait=hist(HIST_IOWAIT),
+            runq=Histogram.total(self.runq),
+            iowait=Histogram.total(self.iowait),
             preempted_by=MappingProxyType(
                 {n: PairCounters(c, w) for n, (c, w) in sorted(self.pairs.items())}
             ),
@@ -169,6 +169,26 @@ class _ServiceSum:
         )
 
 
+def _sum_by(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Unique keys (ascending) and each column summed per key, exactly (int64)."""
+    if not len(keys):
+        return (keys, *columns)
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+    return (keys[starts], *(np.add.reduceat(c[order], starts) for c in columns))
+
+
+def _groups(group: np.ndarray) -> list[tuple[int, int, int]]:
+    """(group value, start, stop) of each run of equal values in a sorted array."""
+    if not len(group):
+        return []
+    edges = np.flatnonzero(group[1:] != group[:-1]) + 1
+    starts = np.concatenate(([0], edges)).tolist()
+    stops = np.concatenate((edges, [len(group)])).tolist()
+    return [(int(group[a]), a, b) for a, b in zip(starts, stops)]
+
+
 def _delta(prev: int | None, cur: int) -> int:
     """Growth of a cumulative counter; a counter that went down was re-created."""
     if prev is None or cur < prev:
@@ -180,13 +200,14 @@ def _freeze_all(sums: Mapping[str, _ServiceSum]) -> Mapping[str, ServiceInterval
     return MappingProxyType({name: s.freeze() for name, s in sorted(sums.items())})
 
 
-def _merge(records: Iterable[IntervalRecord], service: str | None) -> tuple[dict[str, _ServiceSum], dict[str, int]]:
+def _merge(records: Iterable[IntervalRecord], service: str | None,
+           blame: bool = True) -> tuple[dict[str, _ServiceSum], dict[str, int]]:
     sums: dict[str, _ServiceSum] = {}
     errors: dict[str, int] = {}
     for rec in records:
         for name, s in rec.services.items():
             if service is None or name == service:
-                sums.setdefault(name, _ServiceSum()).add_interval(s)
+                sums.setdefault(name, _ServiceSum()).add_interval(s, blame)
         for name, n in rec.errors.items():
             errors[name] = errors.get(name, 0) + n
     return sums, errors
@@ -264,43 +285,92 @@ class Store:
     def _interval(
         prev: ProbeSnapshot, cur: ProbeSnapshot, service_of: Callable[[int], str]
     ) -> tuple[dict[str, _ServiceSum], dict[str, int]]:
-        names: dict[int, str] = {}
+        """One interval per service, from the snapshot's columns: each cgroup is
+        named once, then rows are summed per service with array operations."""
+        h = cur.hist_rows[(cur.hist_rows["count"] != 0) | (cur.hist_rows["sum_ns"] != 0)]
+        if np.any(h["kind"] > HIST_IOWAIT):
+            bad = h[h["kind"] > HIST_IOWAIT][0]
+            raise ValueError(f"unknown histogram kind {bad['kind']} for cgroup {bad['cgid']}")
+        b = cur.blame_rows[(cur.blame_rows["count"] != 0) | (cur.blame_rows["wait_ns"] != 0)]
+        c = cur.cgroup_rows
+        if len(c):
+            c = c[np.any(np.stack([c[f] != 0 for f in CGROUP_FIELDS]), axis=0)]
 
-        def name(cgid: int) -> str:
-            n = names.get(cgid)
-            if n is None:
-                n = names[cgid] = service_of(cgid)
-            return n
+        cgids = np.unique(np.concatenate([h["cgid"], b["victim"], b["culprit"][b["culprit"] != 0], c["cgid"]]))
+        index: dict[str, int] = {}
+        of_cgid = np.array([index.setdefault(service_of(cg), len(index)) for cg in cgids.tolist()], np.int64)
+        # Culprits the kernel did not know: no preemptor, or an idle CPU.
+        unknown, idle = index.setdefault(UNKNOWN_SERVICE, len(index)), index.setdefault(IDLE, len(index))
+        names = list(index)
+        n = len(names)
+
+        def svc(col: np.ndarray) -> np.ndarray:
+            return of_cgid[np.searchsorted(cgids, col)] if len(col) else np.empty(0, np.int64)
 
         sums: dict[str, _ServiceSum] = {}
 
-        def service(cgid: int) -> _ServiceSum:
-            s = sums.setdefault(name(cgid), _ServiceSum())
-            s.cgroups.add(cgid)
+        def service(i: int) -> _ServiceSum:
+            s = sums.get(names[i])
+            if s is None:
+                s = sums[names[i]] = _ServiceSum()
             return s
 
-        for (cgid, kind), slots in cur.hists.items():
-            if kind not in (HIST_RUNQ, HIST_IOWAIT):
-                raise ValueError(f"unknown histogram kind {kind} for cgroup {cgid}")
-            for slot, b in slots.items():
-                if b.count or b.sum_ns:
-                    service(cgid).add_bucket(kind, slot, b.count, b.sum_ns)
+        # Which cgroups did something for each service.
+        active = np.unique(np.concatenate([h["cgid"], b["victim"], c["cgid"]]))
+        for cg, i in zip(active.tolist(), svc(active).tolist()):
+            service(i).cgroups.add(cg)
 
-        for (victim, preemptor), p in cur.pairs.items():
-            if p.count or p.wait_ns:
-                service(victim).add_pair(UNKNOWN_SERVICE if preemptor == 0 else name(preemptor), p.count, p.wait_ns)
+        key = (svc(h["cgid"]) * 2 + h["kind"].astype(np.int64)) * HIST_SLOTS + h["slot"].astype(np.int64)
+        key, counts, totals = _sum_by(key, h["count"], h["sum_ns"])
+        slots = key % HIST_SLOTS
+        spans = _groups(key // HIST_SLOTS)
+        if spans:
+            starts = np.array([a for _, a, _ in spans])
+            group_counts = np.add.reduceat(counts, starts).tolist()
+            group_sums = np.add.reduceat(totals, starts).tolist()
+            for (group, a, z), gc, gs in zip(spans, group_counts, group_sums):
+                hist = Histogram.from_arrays(slots[a:z], counts[a:z], totals[a:z], gc, gs)
+                target = service(group // 2)
+                (target.runq if group % 2 == HIST_RUNQ else target.iowait).append(hist)
 
-        for (victim, holder), p in cur.holders.items():
-            if p.count or p.wait_ns:
-                service(victim).add_holder(IDLE if holder == 0 else name(holder), p.count, p.wait_ns)
+        preempted = (b["kind"] == BLAME_PREEMPTED).astype(np.int64)
+        culprit = np.where(b["culprit"] == 0, np.where(preempted == 1, unknown, idle), 0)
+        known = b["culprit"] != 0
+        culprit[known] = svc(b["culprit"][known])
+        victim = svc(b["victim"])
+        key, counts, waits = _sum_by((victim * n + culprit) * 2 + preempted, b["count"], b["wait_ns"])
+        # Blame grows with active services, not services squared: per victim
+        # and kind, the CULPRITS_KEPT largest culprits of the interval keep
+        # their name, the rest are summed under OTHER_CULPRITS.
+        group = key // (2 * n) * 2 + key % 2
+        order = np.lexsort((-waits, group))
+        group_sorted = group[order]
+        first = np.flatnonzero(np.concatenate(([True], group_sorted[1:] != group_sorted[:-1]))) if len(key) else key
+        rank = np.arange(len(key)) - np.repeat(first, np.diff(np.concatenate((first, [len(key)]))))
+        folded = np.zeros(len(key), bool)
+        folded[order[rank >= CULPRITS_KEPT]] = True
+        if folded.any():
+            other = index.setdefault(OTHER_CULPRITS, len(index))
+            names = list(index)
+            victim_k, rest = np.divmod(key, 2 * n)
+            culprit_k = rest // 2
+            culprit_k[folded] = other
+            n2 = len(names)
+            key, counts, waits = _sum_by((victim_k * n2 + culprit_k) * 2 + key % 2, counts, waits)
+            n = n2
+        for k, count, wait in zip(key.tolist(), counts.tolist(), waits.tolist()):
+            pair, is_preempted = divmod(k, 2)
+            v, by = divmod(pair, n)
+            target = service(v)
+            (target.pairs if is_preempted else target.holders)[names[by]] = [count, wait]
 
-        for cgid, c in cur.cgroups.items():
-            d = (c.migrations, c.untraced_switch_in, c.untraced_switch_out, c.untraced_wakeup,
-                 c.lost_runq, c.lost_runq_ns, c.lost_iowait, c.lost_iowait_ns, c.lost_blame, c.lost_blame_ns)
-            if any(d):
-                s = service(cgid)
-                for i, v in enumerate(d):
-                    s.counters[i] += v
+        if len(c):
+            per = np.zeros((n, len(CGROUP_FIELDS)), np.int64)
+            np.add.at(per, svc(c["cgid"]), np.stack([c[f] for f in CGROUP_FIELDS], axis=1))
+            for i in np.flatnonzero(per.any(axis=1)).tolist():
+                target = service(i)
+                for f, v in enumerate(per[i].tolist()):
+                    target.counters[f] += v
 
         errors = {}
         for map_name, n in cur.errors.items():
@@ -326,14 +396,17 @@ class Store:
         with self._lock:
             return tuple(r for r in self._records if r.end > horizon)
 
-    def window(self, since_s: float, now: float | None = None, service: str | None = None) -> Window:
+    def window(self, since_s: float, now: float | None = None, service: str | None = None,
+               blame: bool = True) -> Window:
         """Merge of the intervals that ended after now - since_s.
 
         With no interval in range, start == end == now and services is empty.
+        blame=False leaves preempted_by and waited_behind empty: quantile and
+        SLO readers of a node's worth of services skip merging culprits.
         """
         if now is None:
             now = self._clock()
-        return self._window(self.records(since_s, now), service, now)
+        return self._window(self.records(since_s, now), service, now, blame)
 
     def between(self, start: float, end: float, service: str | None = None) -> Window:
         """Merge of the intervals overlapping [start, end], e.g. one request's life."""
@@ -342,8 +415,8 @@ class Store:
         return self._window(recs, service, end)
 
     @staticmethod
-    def _window(recs: tuple[IntervalRecord, ...], service: str | None, now: float) -> Window:
-        sums, errors = _merge(recs, service)
+    def _window(recs: tuple[IntervalRecord, ...], service: str | None, now: float, blame: bool = True) -> Window:
+        sums, errors = _merge(recs, service, blame)
         if not recs:
             return Window(now, now, _EMPTY, 0, _EMPTY)
         return Window(

@@ -4,7 +4,6 @@ loopback OTLP receiver (gRPC and HTTP/protobuf)."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 
@@ -69,7 +68,7 @@ def _snapshot(upto: int) -> ProbeSnapshot:
             pairs[k] = PairCounters(p.count - b.count, p.wait_ns - b.wait_ns)
         mig_before = MIGRATIONS[upto - 2] if upto > 1 else {}
         cgroups = {cg: CgroupCounters(migrations=n - mig_before.get(cg, 0)) for cg, n in MIGRATIONS[upto - 1].items()}
-    return ProbeSnapshot(mono_ns=upto * 10**9, wall=T0 + upto, hists=hists, pairs=dict(pairs), cgroups=cgroups,
+    return ProbeSnapshot.from_dicts(mono_ns=upto * 10**9, wall=T0 + upto, hists=hists, pairs=dict(pairs), cgroups=cgroups,
                          errors={"tasks": 2 * upto}, programs={"sched_switch": ProgramStats(1000 * upto, 77 * upto)})
 
 
@@ -210,8 +209,9 @@ class _IngestDuringCollect(Collector):
         if not self.done:
             self.done = True
             last = _snapshot(2)
-            extra = dataclasses.replace(last, mono_ns=last.mono_ns + 10**9, wall=last.wall + 1, hists={}, pairs={},
-                                        cgroups={cg: CgroupCounters(migrations=100) for cg in last.cgroups})
+            extra = ProbeSnapshot.from_dicts(last.mono_ns + 10**9, last.wall + 1,
+                                             cgroups={cg: CgroupCounters(migrations=100) for cg in last.cgroups},
+                                             errors=last.errors, programs=last.programs)
             self.store.ingest(extra, SERVICES.__getitem__)
         return []
 

@@ -94,7 +94,7 @@ class Recorder:
         for cg, n in self.migrations.items():
             n0 = self._since_last(("migrations", cg), n, 0)
             cgroups[cg] = CgroupCounters(migrations=n - n0, untraced_switch_in=n // 10 - n0 // 10)
-        return ProbeSnapshot(
+        return ProbeSnapshot.from_dicts(
             mono_ns=int(t * 1e9), wall=t, hists=hists, pairs=pairs, cgroups=cgroups,
             errors={"hists": self.map_errors},
             programs={"sched_switch": ProgramStats(self.switch_cnt, self.switch_ns)},
@@ -251,9 +251,9 @@ def test_quantile_summary_is_the_windowed_log_linear_quantile(scenario) -> None:
 
 def test_self_metrics_and_hooks() -> None:
     store = Store(retention_s=900, clock=lambda: 100.0)
-    store.ingest(ProbeSnapshot(0, 98.0), lambda cg: "api")
+    store.ingest(ProbeSnapshot.from_dicts(0, 98.0), lambda cg: "api")
     twelve_ms = dict(Histogram.from_ns([12_000_000] * 4).items())
-    store.ingest(ProbeSnapshot(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)}, holders={(1, 0): PairCounters(1, 5)},
+    store.ingest(ProbeSnapshot.from_dicts(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)}, holders={(1, 0): PairCounters(1, 5)},
                                programs={"sched_wakeup": ProgramStats(5, 500)}), lambda cg: "api")
     sources = Sources(
         slos=(Slo("api", runq_p99=0.005, runq_p95=0.5),),
@@ -287,9 +287,9 @@ def test_self_metrics_and_hooks() -> None:
 def test_services_beyond_the_store_cap_are_one_label_value() -> None:
     """Cardinality is the store's: whatever it folds into "other" is one series."""
     store = Store(retention_s=900, clock=lambda: 100.0)
-    store.ingest(ProbeSnapshot(0, 98.0), str)
+    store.ingest(ProbeSnapshot.from_dicts(0, 98.0), str)
     hists = {(cg, 0): {100: Bucket(1, 40_000)} for cg in range(1, 50)}
-    store.ingest(ProbeSnapshot(10**9, 99.0, hists=hists), lambda cg: "api" if cg == 1 else "other")
+    store.ingest(ProbeSnapshot.from_dicts(10**9, 99.0, hists=hists), lambda cg: "api" if cg == 1 else "other")
     fams = _scrape(SlatraceCollector(store))
     services = {dict(k)["service"] for k in _samples(fams, "slatrace_runq_latency_seconds", "_count")}
     assert services == {"api", "other"}

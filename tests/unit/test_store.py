@@ -34,7 +34,7 @@ class CountingResolver:
 
 
 def snap(t: int, hists=None, pairs=None, cgroups=None, errors=None, programs=None) -> ProbeSnapshot:
-    return ProbeSnapshot(
+    return ProbeSnapshot.from_dicts(
         mono_ns=t * 1_000_000_000,
         wall=1000.0 + t,
         hists=hists or {},
