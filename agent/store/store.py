@@ -10,6 +10,7 @@ One thread ingests, any number read. Everything a reader gets is immutable.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -35,6 +36,10 @@ from agent.store.histogram import HIST_SLOTS, Histogram
 UNKNOWN_SERVICE = "unknown"
 # Holder of a CPU that was idle until the waiting task got it.
 IDLE = "idle"
+# Intervals younger than FINE_S seconds are kept one by one; older ones are
+# merged into one record per BLOCK_S seconds.
+FINE_S = 120.0
+BLOCK_S = 60.0
 # Culprits beyond the largest CULPRITS_KEPT of a victim in one interval.
 OTHER_CULPRITS = "other"
 CULPRITS_KEPT = 8
@@ -92,6 +97,7 @@ class IntervalRecord:
     end_mono_ns: int
     services: Mapping[str, ServiceInterval]
     errors: Mapping[str, int]  # map name -> failed updates during the interval
+    coarse: bool = False       # several intervals merged into one block (older than FINE_S)
 
 
 @dataclass(frozen=True)
@@ -266,8 +272,11 @@ class Store:
                 services=_freeze_all(services),
                 errors=MappingProxyType(errors),
             )
+            coarse = self._coarsened(record.end)
             with self._lock:
                 self._records.append(record)
+                if coarse is not None:
+                    self._replace_oldest_fine(*coarse)
                 horizon = record.end - self._retention_s
                 while self._records and self._records[0].end < horizon:
                     self._records.popleft()
@@ -280,6 +289,40 @@ class Store:
                 self._prev = snapshot
                 self._collected += 1
             return record
+
+    def _coarsened(self, now: float) -> tuple[int, IntervalRecord] | None:
+        """The oldest block of fine intervals that is complete and older than
+        the fine horizon, merged into one record: (its index, the merge).
+
+        A node's worth of services times the retention in one-second records
+        would take gigabytes; intervals older than FINE_S are kept as one
+        record per BLOCK_S instead, so a window reaching further back starts
+        on a block boundary. Runs outside the readers' lock (the merge is the
+        expensive part); only the ingest thread changes the ring."""
+        recs = self._records
+        i = next((k for k, r in enumerate(recs) if not r.coarse), len(recs))
+        block = math.floor(recs[i].start / BLOCK_S) if i < len(recs) else None
+        j = i
+        while j < len(recs) and math.floor(recs[j].start / BLOCK_S) == block:
+            j += 1
+        # Complete (a later interval exists) and wholly past the fine horizon.
+        if block is None or j == len(recs) or recs[j - 1].end >= now - FINE_S:
+            return None
+        taken = list(recs)[i:j]
+        sums, errors = _merge(taken, None)
+        merged = IntervalRecord(start=taken[0].start, end=taken[-1].end, start_mono_ns=taken[0].start_mono_ns,
+                                end_mono_ns=taken[-1].end_mono_ns, services=_freeze_all(sums),
+                                errors=MappingProxyType(errors), coarse=True)
+        return i, merged
+
+    def _replace_oldest_fine(self, i: int, merged: IntervalRecord) -> None:
+        """Swap the fine records the merged block covers, from index i on."""
+        recs = list(self._records)
+        j = i
+        while j < len(recs) and not recs[j].coarse and recs[j].end <= merged.end:
+            j += 1
+        recs[i:j] = [merged]
+        self._records = deque(recs)
 
     @staticmethod
     def _interval(

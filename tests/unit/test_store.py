@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 
@@ -281,9 +282,11 @@ def test_concurrent_readers_see_consistent_windows() -> None:
             w = store.window(since_s=10_000, now=5000.0)
             web = w.services.get("web")
             n = web.runq.count if web else 0
-            # Interval i adds i, so after k intervals the count is k(k+1)/2.
-            if n != w.intervals * (w.intervals + 1) // 2:
-                bad.append(f"{w.intervals} intervals, count {n}")
+            # Interval i adds i, so up to interval k the count is k(k+1)/2
+            # (however many of them have been merged into blocks).
+            k = round(w.end - 1000.0) if w.intervals else 0
+            if n != k * (k + 1) // 2:
+                bad.append(f"up to interval {k}, count {n}")
 
     readers = [threading.Thread(target=read) for _ in range(3)]
     for t in readers:
@@ -295,3 +298,26 @@ def test_concurrent_readers_see_consistent_windows() -> None:
         t.join()
     assert not bad
     assert store.totals()["web"].runq.count == 299 * 300 // 2
+
+
+def test_old_intervals_are_merged_into_blocks_without_losing_counts() -> None:
+    """Past the fine horizon, one-second intervals become one record per
+    block; every count is still there and recent intervals stay fine."""
+    from agent.store.store import BLOCK_S, FINE_S
+
+    store = Store(retention_s=900, clock=lambda: 1000.0 + 400)
+    resolver = CountingResolver()
+    store.ingest(snap(0), resolver)
+    for t in range(1, 401):
+        store.ingest(_runq_only(t, t % 7 + 1), resolver)
+    recs = store.records(since_s=10_000)
+    fine = [r for r in recs if not r.coarse]
+    coarse = [r for r in recs if r.coarse]
+    assert coarse and all(r.end - r.start <= BLOCK_S for r in coarse)
+    assert all(math.floor(r.start / BLOCK_S) == math.floor((r.end - 0.5) / BLOCK_S) for r in coarse)
+    assert min(r.end for r in fine) <= 1400 - FINE_S + BLOCK_S
+    assert all(r.end - r.start == 1.0 for r in fine)
+    # Contiguous, and no count lost or doubled.
+    assert all(a.end == b.start for a, b in zip(recs, recs[1:]))
+    assert store.window(since_s=10_000).services["web"].runq.count == sum(t % 7 + 1 for t in range(1, 401))
+    assert len(recs) < 400 - FINE_S
