@@ -43,6 +43,8 @@ BLOCK_S = 60.0
 # Culprits beyond the largest CULPRITS_KEPT of a victim in one interval.
 OTHER_CULPRITS = "other"
 CULPRITS_KEPT = 8
+# ... and beyond the largest CULPRITS_SUMMED of a victim over a window or since start.
+CULPRITS_SUMMED = 32
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -146,6 +148,9 @@ class _ServiceSum:
                 self._bump(self.pairs, name, p.count, p.wait_ns)
             for name, p in s.waited_behind.items():
                 self._bump(self.holders, name, p.count, p.wait_ns)
+            for table in (self.pairs, self.holders):
+                if len(table) > 2 * CULPRITS_SUMMED:
+                    _fold_small(table)
         for i, v in enumerate(
             (s.migrations, s.untraced_switch_in, s.untraced_switch_out, s.untraced_wakeup,
              s.lost_runq.count, s.lost_runq.wait_ns, s.lost_iowait.count, s.lost_iowait.wait_ns,
@@ -173,6 +178,18 @@ class _ServiceSum:
             lost_iowait=PairCounters(*self.counters[6:8]),
             lost_blame=PairCounters(*self.counters[8:10]),
         )
+
+
+def _fold_small(table: dict[str, list[int]]) -> None:
+    """Keep the CULPRITS_SUMMED largest culprits by wait; sum the rest under
+    OTHER_CULPRITS, so a long window or the totals stay bounded per victim."""
+    ranked = sorted(table.items(), key=lambda kv: kv[1][1], reverse=True)
+    other = table.get(OTHER_CULPRITS, [0, 0])
+    kept = {name: cell for name, cell in ranked[:CULPRITS_SUMMED] if name != OTHER_CULPRITS}
+    folded = [cell for name, cell in ranked[CULPRITS_SUMMED:] if name != OTHER_CULPRITS]
+    table.clear()
+    table.update(kept)
+    table[OTHER_CULPRITS] = [other[0] + sum(c for c, _ in folded), other[1] + sum(w for _, w in folded)]
 
 
 def _sum_by(keys: np.ndarray, *columns: np.ndarray) -> tuple[np.ndarray, ...]:

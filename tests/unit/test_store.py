@@ -321,3 +321,20 @@ def test_old_intervals_are_merged_into_blocks_without_losing_counts() -> None:
     assert all(a.end == b.start for a, b in zip(recs, recs[1:]))
     assert store.window(since_s=10_000).services["web"].runq.count == sum(t % 7 + 1 for t in range(1, 401))
     assert len(recs) < 400 - FINE_S
+
+
+def test_culprits_beyond_the_largest_are_summed_as_other() -> None:
+    """Per interval a victim keeps its 8 largest culprits by wait; the rest
+    are summed under "other", waits and counts intact."""
+    from agent.store.store import CULPRITS_KEPT
+
+    names = {1: "web"} | {100 + i: f"c{i}" for i in range(20)}
+    store = Store(60)
+    store.ingest(snap(0), names.__getitem__)
+    pairs = {(1, 100 + i): PairCounters(1, 1000 * (i + 1)) for i in range(20)}
+    rec = store.ingest(ProbeSnapshot.from_dicts(10**9, 1001.0, pairs=pairs), names.__getitem__)
+    by = dict(rec.services["web"].preempted_by)
+    assert len(by) == CULPRITS_KEPT + 1
+    assert {f"c{i}" for i in range(12, 20)} | {"other"} == set(by)
+    assert by["other"] == PairCounters(12, 1000 * sum(range(1, 13)))
+    assert sum(p.wait_ns for p in by.values()) == 1000 * sum(range(1, 21))
