@@ -1,10 +1,14 @@
-/* slatrace: per-cgroup scheduler accounting on classic sched tracepoints.
+/* slatrace: per-cgroup scheduler accounting on the sched tracepoints.
  *
- * Only tracepoint arguments and stable helpers are read, never kernel structs:
- * BCC takes the argument layout from the live tracefs format files, so the
- * programs stay correct even when compiled against another kernel's headers.
+ * Two attachments share one state machine: raw tracepoints (RAW_TP) where the
+ * kernel's BTF gives the offset of task_struct.pid, classic tracepoints
+ * elsewhere. Neither reads a kernel struct through compiled-in headers: the
+ * classic path takes its argument layout from the live tracefs format files,
+ * the raw path reads only the pid, at an offset from the running kernel's BTF,
+ * so the programs stay correct when compiled against another kernel's headers.
  *
  * Compile-time options (-D, built and validated by agent/probe/features.py):
+ *   RAW_TP, TASK_PID_OFF   raw tracepoints, and task_struct.pid's offset
  *   PREEMPT_BIT   sched_switch prev_state bit of an involuntary switch
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
@@ -150,13 +154,12 @@ static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u6
     events.ringbuf_submit(e, 0);
 }
 
-TRACEPOINT_PROBE(sched, sched_switch)
+/* The state machine, shared by both attachments below. */
+
+static __always_inline int on_switch(u32 prev_pid, u32 next_pid, u32 out_state)
 {
     u64 now = bpf_ktime_get_ns();
     struct ctl c = read_ctl();
-    u32 prev_pid = args->prev_pid;
-    u32 next_pid = args->next_pid;
-    long prev_state = args->prev_state;
     u64 next_cgid = 0;
 
     /* The current task is prev: the one that held the CPU until now. */
@@ -190,34 +193,20 @@ TRACEPOINT_PROBE(sched, sched_switch)
         }
     }
 
-    if (!prev_pid)
-        return 0;
+    if (!prev_pid || out_state == TS_EXITING)
+        return 0;         /* idle, or exiting: sched_process_exit dropped the entry */
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
-    /* Still runnable at switch-out = an involuntary switch, as the kernel's
-     * nivcsw counts it. PREEMPT_BIT ("R+") marks only preemption inside the
-     * kernel; a task preempted on its way back to user space (the common case
-     * for CPU-bound user code) or yielding is switched out as plain "R". */
-    u32 st;
-    if ((prev_state & (PREEMPT_BIT - 1)) == 0)
-        st = TS_PREEMPTED;
-    else if (prev_state & STATE_DEAD)
-        return 0;         /* exiting: sched_process_exit dropped the entry */
-    else if (prev_state & STATE_D)
-        st = TS_BLOCKED;
-    else
-        st = TS_SLEEPING;
-
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
             cgroup_add(cgid, c.gen, CG_UNTRACED_SWITCH_IN, 0);
         p->ts = now;
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
-        p->state = st;
+        p->state = out_state;
         return 0;
     }
-    struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = st};
+    struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state};
     if (tasks.update(&prev_pid, &init))
         count_error(ERR_TASK);
     return 0;
@@ -244,19 +233,8 @@ static __always_inline int on_wakeup(u32 pid)
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup)
+static __always_inline int on_migrate(u32 pid)
 {
-    return on_wakeup(args->pid);
-}
-
-TRACEPOINT_PROBE(sched, sched_wakeup_new)
-{
-    return on_wakeup(args->pid);
-}
-
-TRACEPOINT_PROBE(sched, sched_migrate_task)
-{
-    u32 pid = args->pid;
     struct task_info *t = tasks.lookup(&pid);
     if (t) {
         struct ctl c = read_ctl();
@@ -269,11 +247,10 @@ TRACEPOINT_PROBE(sched, sched_migrate_task)
 
 /* The child starts in its parent's cgroup; the parent is current here.
  * Children of kthreadd are kernel threads. */
-TRACEPOINT_PROBE(sched, sched_process_fork)
+static __always_inline int on_fork(u32 parent, u32 child)
 {
-    u32 child = args->child_pid;
     struct task_info init = {.state = TS_SLEEPING};
-    if (args->parent_pid == KTHREADD_PID) {
+    if (parent == KTHREADD_PID) {
         init.cgid = KERNEL_CGID;
         init.flags = TF_KTHREAD;
     } else {
@@ -284,9 +261,118 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     return 0;
 }
 
+#ifdef RAW_TP
+/* Raw tracepoints: the kernel passes its own arguments (task pointers and
+ * the raw task state) instead of filling a record first, which is most of
+ * what a classic tracepoint costs on a context switch. The pid is read at
+ * TASK_PID_OFF, the offset of task_struct.pid in the running kernel's BTF
+ * (agent/probe/btf.py); nothing else is read from kernel memory. Raw states
+ * (include/linux/sched.h, stable since 4.14): */
+#define RAW_TASK_REPORT 0x7f           /* the bits the classic tracepoint reports */
+#define RAW_TASK_UNINTERRUPTIBLE 0x2
+#define RAW_TASK_DEAD 0x80
+#define RAW_TASK_NOLOAD 0x400           /* with UNINTERRUPTIBLE: TASK_IDLE, reported "I", not "D" */
+
+static __always_inline u32 task_pid(u64 task)
+{
+    u32 pid = 0;
+    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)(task + TASK_PID_OFF));
+    return pid;
+}
+
+/* sched_switch(bool preempt, prev, next, unsigned int prev_state), kernels >= 5.18 */
+RAW_TRACEPOINT_PROBE(sched_switch)
+{
+    bool preempt = ctx->args[0];
+    u32 state = ctx->args[3];
+    u32 st;
+    /* As the classic path: runnable at switch-out (or preempted while going
+     * to sleep) is an involuntary switch. */
+    if (preempt || ((state & RAW_TASK_REPORT) == 0 && !(state & RAW_TASK_DEAD)))
+        st = TS_PREEMPTED;
+    else if (state & RAW_TASK_DEAD)
+        st = TS_EXITING;
+    else if ((state & RAW_TASK_UNINTERRUPTIBLE) && !(state & RAW_TASK_NOLOAD))
+        st = TS_BLOCKED;
+    else
+        st = TS_SLEEPING;
+    return on_switch(task_pid(ctx->args[1]), task_pid(ctx->args[2]), st);
+}
+
+RAW_TRACEPOINT_PROBE(sched_wakeup)
+{
+    return on_wakeup(task_pid(ctx->args[0]));
+}
+
+RAW_TRACEPOINT_PROBE(sched_wakeup_new)
+{
+    return on_wakeup(task_pid(ctx->args[0]));
+}
+
+RAW_TRACEPOINT_PROBE(sched_migrate_task)
+{
+    return on_migrate(task_pid(ctx->args[0]));
+}
+
+RAW_TRACEPOINT_PROBE(sched_process_fork)
+{
+    return on_fork(task_pid(ctx->args[0]), task_pid(ctx->args[1]));
+}
+
+RAW_TRACEPOINT_PROBE(sched_process_exit)
+{
+    u32 pid = task_pid(ctx->args[0]);
+    tasks.delete(&pid);
+    return 0;
+}
+
+#else
+/* Classic tracepoints: BCC builds `args` from the live format files, so this
+ * path needs nothing from the kernel's BTF. */
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    long prev_state = args->prev_state;
+    /* Still runnable at switch-out = an involuntary switch, as the kernel's
+     * nivcsw counts it. PREEMPT_BIT ("R+") marks only preemption inside the
+     * kernel; a task preempted on its way back to user space (the common case
+     * for CPU-bound user code) or yielding is switched out as plain "R". */
+    u32 st;
+    if ((prev_state & (PREEMPT_BIT - 1)) == 0)
+        st = TS_PREEMPTED;
+    else if (prev_state & STATE_DEAD)
+        st = TS_EXITING;
+    else if (prev_state & STATE_D)
+        st = TS_BLOCKED;
+    else
+        st = TS_SLEEPING;
+    return on_switch(args->prev_pid, args->next_pid, st);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    return on_wakeup(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup_new)
+{
+    return on_wakeup(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_migrate_task)
+{
+    return on_migrate(args->pid);
+}
+
+TRACEPOINT_PROBE(sched, sched_process_fork)
+{
+    return on_fork(args->parent_pid, args->child_pid);
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u32 pid = args->pid;
     tasks.delete(&pid);
     return 0;
 }
+#endif

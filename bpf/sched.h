@@ -40,6 +40,7 @@
 #define TS_PREEMPTED 3  /* switched out while runnable; preemptor_cgid is set */
 #define TS_SLEEPING 4
 #define TS_BLOCKED 5    /* uninterruptible sleep (D state) */
+#define TS_EXITING 6    /* switch-out of an exiting task: never stored */
 
 /* Index in the errors array: updates that failed outright, with no cgroup
  * to charge them to (the per-cgroup loss counters live in cgroup_val). */

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.identity.cgroups import find_cgroup2_mount
+from agent.probe.btf import BtfError, TaskLayout, task_layout
 
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 TRACEPOINTS = (
@@ -48,6 +49,10 @@ class Features:
     tracefs: Path
     states: SwitchStates
     cgroup2: Path
+    # task_struct offsets for the raw-tracepoint programs, from the kernel's
+    # BTF; None (and the reason) when only classic tracepoints can be used.
+    task_layout: TaskLayout | None = None
+    raw_unavailable: str | None = None
 
 
 def exists(path: Path) -> bool:
@@ -140,7 +145,12 @@ def detect() -> Features:
     if mount is None:
         raise FeatureError("no cgroup v2 hierarchy is mounted, and services are told apart by their "
                            "cgroup v2 id: mount one with 'mount -t cgroup2 none /sys/fs/cgroup/unified'")
-    return Features(tracefs=tracefs, states=states, cgroup2=Path(mount))
+    try:
+        layout, why_not = task_layout(), None
+    except BtfError as e:
+        layout, why_not = None, str(e)
+    return Features(tracefs=tracefs, states=states, cgroup2=Path(mount), task_layout=layout,
+                    raw_unavailable=why_not)
 
 
 def kernel_headers_present(release: str | None = None) -> bool:

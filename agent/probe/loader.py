@@ -63,7 +63,23 @@ def bpf_source_dir() -> Path:
     raise FileNotFoundError(f"sched.bpf.c not found in {package / 'bpf'} or {package.parent / 'bpf'}: reinstall slatrace")
 
 
-def cflags(features: Features, sizes: MapSizes) -> list[str]:
+# Which tracepoints the programs attach to: "raw" where the kernel's BTF gives
+# task_struct's layout (cheaper per event), "classic" anywhere; "auto" picks.
+ATTACH_MODES = ("auto", "raw", "classic")
+
+
+def attach_mode(features: Features, wanted: str = "auto") -> str:
+    """The attachment to use, or ValueError saying why the wanted one cannot be."""
+    if wanted not in ATTACH_MODES:
+        raise ValueError(f"tracepoints must be one of {', '.join(ATTACH_MODES)}, got {wanted!r}")
+    if wanted == "classic" or (wanted == "auto" and features.task_layout is None):
+        return "classic"
+    if features.task_layout is None:
+        raise ValueError(f"raw tracepoints are not usable here: {features.raw_unavailable}")
+    return "raw"
+
+
+def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[str]:
     values = {
         "PREEMPT_BIT": features.states.preempt,
         "STATE_D": features.states.d,
@@ -78,6 +94,9 @@ def cflags(features: Features, sizes: MapSizes) -> list[str]:
     }
     if sizes.event_pages & (sizes.event_pages - 1):
         raise ValueError(f"EVENT_PAGES={sizes.event_pages} must be a power of two")
+    if mode == "raw":
+        values["RAW_TP"] = 1
+        values["TASK_PID_OFF"] = features.task_layout.pid_offset
     for name, value in values.items():
         if not isinstance(value, int) or value < 0 or value >= 1 << 32:
             raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")
@@ -102,16 +121,22 @@ class Probe:
         self._events: list[SchedEvent] = []
         self._ring_open = False
         self._ctl = Ctl(gen=0, watch_on=0)
+        self.mode = "classic"  # set by load(): "raw" or "classic" tracepoints
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
 
     @classmethod
-    def load(cls, features: Features, sizes: MapSizes = MapSizes()) -> "Probe":
+    def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto") -> "Probe":
+        """Compile and attach. tracepoints: "auto" (raw where possible), "raw"
+        or "classic"; ValueError when "raw" cannot be used here."""
         from bcc import BPF  # noqa: PLC0415  (bcc only where BPF is loaded)
 
+        mode = attach_mode(features, tracepoints)
         src = bpf_source_dir() / "sched.bpf.c"
-        bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes))
+        bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode))
         ncpu = len(bpf[b"errors"].getvalue(0))
-        return cls(bpf, ncpu)
+        probe = cls(bpf, ncpu)
+        probe.mode = mode
+        return probe
 
     @property
     def bpf(self):

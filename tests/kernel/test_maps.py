@@ -118,7 +118,7 @@ def test_full_maps_count_what_they_lose(kernel):
     blamed = sum(p.count for (victim, _), p in (snap.pairs | snap.holders).items() if victim == victim_cg.id)
     print(f"\nvictim waits: {counted} recorded + {lost.lost_runq} lost vs reference {len(ref.runq_waits_ns)}; "
           f"blame {blamed} recorded + {lost.lost_blame} lost")
-    assert len(ref.runq_waits_ns) > 500
+    assert len(ref.runq_waits_ns) > 100, "the victim hardly ran: the workload is broken"
     assert lost.lost_runq > 0 and lost.lost_blame > 0
     assert counted + lost.lost_runq == pytest.approx(len(ref.runq_waits_ns), rel=0.03)
     assert blamed + lost.lost_blame == counted + lost.lost_runq

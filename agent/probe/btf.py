@@ -1,0 +1,141 @@
+"""The few kernel layout facts the raw-tracepoint programs need, from BTF.
+
+Raw tracepoints hand a program `struct task_struct *` pointers instead of a
+record the kernel filled for it, which spares the cost of filling that record
+on every context switch. The program then reads the task's pid at an offset
+that differs between kernel builds: they are taken here from the
+running kernel's own type information (/sys/kernel/btf/vmlinux) and passed to
+the compiler as -D constants, so no kernel header is ever trusted for them.
+
+Only what is needed is decoded: struct members (name, bit offset) and the
+parameter count of the tracepoints' function prototypes (btf_trace_<name>),
+which tells whether sched_switch passes prev_state (kernels from 5.18).
+The format is the kernel's (include/uapi/linux/btf.h).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+VMLINUX = Path("/sys/kernel/btf/vmlinux")
+
+BTF_MAGIC = 0xEB9F
+# kinds (btf.h BTF_KIND_*) and the bytes that follow a type's 12-byte header
+KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 4, 5, 8, 13
+_TRAILER = {1: lambda vlen: 4, 3: lambda vlen: 12, 4: lambda vlen: 12 * vlen, 5: lambda vlen: 12 * vlen,
+            6: lambda vlen: 8 * vlen, 13: lambda vlen: 8 * vlen, 14: lambda vlen: 4,
+            15: lambda vlen: 12 * vlen, 17: lambda vlen: 4, 19: lambda vlen: 12 * vlen}
+
+
+class BtfError(Exception):
+    """The kernel's BTF is missing or lacks what the raw-tracepoint path needs."""
+
+
+@dataclass(frozen=True)
+class TaskLayout:
+    """What the raw-tracepoint programs read, in bytes."""
+
+    pid_offset: int        # task_struct.pid (pid_t)
+
+
+class _Btf:
+    """Type headers indexed in one pass; names and members decoded on demand
+    (vmlinux has ~150,000 types, of which three matter here)."""
+
+    def __init__(self, data: bytes) -> None:
+        magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
+        if magic != BTF_MAGIC:
+            raise BtfError("not a little-endian BTF blob")
+        type_off, type_len, str_off, str_len = struct.unpack_from("<IIII", data, 8)
+        self._data = data
+        self._strings = data[hdr_len + str_off: hdr_len + str_off + str_len]
+        self._pos = [0]  # type ids start at 1
+        pos, end = hdr_len + type_off, hdr_len + type_off + type_len
+        unpack = struct.Struct("<III").unpack_from
+        while pos < end:
+            self._pos.append(pos)
+            _name, info, _ref = unpack(data, pos)
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            trailer = _TRAILER.get(kind)
+            pos += 12 + (trailer(vlen) if trailer else 0)
+
+    def header(self, tid: int) -> tuple[int, int, int, bool, int]:
+        """(name offset, kind, vlen, kflag, size-or-type) of a type id."""
+        name_off, info, ref = struct.unpack_from("<III", self._data, self._pos[tid])
+        return name_off, (info >> 24) & 0x1F, info & 0xFFFF, bool(info >> 31), ref
+
+    def name_offset(self, name: str) -> int | None:
+        off = self._strings.find(b"\0" + name.encode() + b"\0")
+        return None if off < 0 else off + 1
+
+    def find(self, kind: int, name: str) -> int | None:
+        want = self.name_offset(name)
+        if want is None:
+            return None
+        for tid in range(1, len(self._pos)):
+            name_off, k, *_ = self.header(tid)
+            if name_off == want and k == kind:
+                return tid
+        return None
+
+    def members(self, tid: int) -> list[tuple[str, int, int]]:
+        """(name, type id, bit offset) of a struct or union's members."""
+        _name, _kind, vlen, kflag, _size = self.header(tid)
+        pos = self._pos[tid] + 12
+        out = []
+        for m_name, m_type, m_off in struct.iter_unpack("<III", self._data[pos:pos + 12 * vlen]):
+            end = self._strings.index(b"\0", m_name)
+            out.append((self._strings[m_name:end].decode(), m_type, m_off & 0xFFFFFF if kflag else m_off))
+        return out
+
+
+def _member_offset(btf: _Btf, struct_name: str, member: str) -> int:
+    """Byte offset of a member, looking through anonymous structs and unions."""
+    def find(tid: int, base_bits: int) -> int | None:
+        for m_name, m_type, bits in btf.members(tid):
+            if m_name == member:
+                return base_bits + bits
+            if not m_name and btf.header(m_type)[1] in (KIND_STRUCT, KIND_UNION):
+                found = find(m_type, base_bits + bits)
+                if found is not None:
+                    return found
+        return None
+
+    tid = btf.find(KIND_STRUCT, struct_name)
+    if tid is None:
+        raise BtfError(f"struct {struct_name} not found in the kernel's BTF")
+    bits = find(tid, 0)
+    if bits is None or bits % 8:
+        raise BtfError(f"{struct_name}.{member} not found (or not byte-aligned) in the kernel's BTF")
+    return bits // 8
+
+
+def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
+    """Arguments of a raw tracepoint (without the leading context pointer)."""
+    tid = btf.find(KIND_TYPEDEF, f"btf_trace_{tracepoint}")
+    if tid is None:
+        return None
+    ptr = btf.header(tid)[4]
+    _n, kind, _v, _k, proto = btf.header(ptr)
+    if kind != KIND_PTR:
+        return None
+    _n, kind, vlen, _k, _r = btf.header(proto)
+    return vlen - 1 if kind == KIND_FUNC_PROTO else None
+
+
+def task_layout(path: Path = VMLINUX) -> TaskLayout:
+    """The task_struct offsets, when the raw-tracepoint path can run here.
+
+    Raises BtfError naming what is missing: no BTF, or a sched_switch that
+    does not pass prev_state (kernels before 5.18)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BtfError(f"cannot read the kernel's BTF at {path} ({e.strerror})") from None
+    btf = _Btf(data)
+    switch_args = _tracepoint_params(btf, "sched_switch")
+    if switch_args is None or switch_args < 4:
+        raise BtfError("sched_switch does not pass prev_state to raw tracepoints (kernel before 5.18)")
+    return TaskLayout(pid_offset=_member_offset(btf, "task_struct", "pid"))
