@@ -144,11 +144,14 @@ class _ServiceSum:
             self.runq = [Histogram.total(self.runq)]
             self.iowait = [Histogram.total(self.iowait)]
         if blame:
-            for name, p in s.preempted_by.items():
-                self._bump(self.pairs, name, p.count, p.wait_ns)
-            for name, p in s.waited_behind.items():
-                self._bump(self.holders, name, p.count, p.wait_ns)
-            for table in (self.pairs, self.holders):
+            for table, pairs in ((self.pairs, s.preempted_by), (self.holders, s.waited_behind)):
+                for name, (count, wait) in pairs.items():
+                    cell = table.get(name)
+                    if cell is None:
+                        table[name] = [count, wait]
+                    else:
+                        cell[0] += count
+                        cell[1] += wait
                 if len(table) > 2 * CULPRITS_SUMMED:
                     _fold_small(table)
         for i, v in enumerate(
@@ -418,11 +421,12 @@ class Store:
             n2 = len(names)
             key, counts, waits = _sum_by((victim_k * n2 + culprit_k) * 2 + key % 2, counts, waits)
             n = n2
-        for k, count, wait in zip(key.tolist(), counts.tolist(), waits.tolist()):
-            pair, is_preempted = divmod(k, 2)
-            v, by = divmod(pair, n)
-            target = service(v)
-            (target.pairs if is_preempted else target.holders)[names[by]] = [count, wait]
+        pair, is_preempted = np.divmod(key, 2)
+        victims, culprits = np.divmod(pair, n)
+        for v, by, pre, count, wait in zip(victims.tolist(), culprits.tolist(), is_preempted.tolist(),
+                                           counts.tolist(), waits.tolist()):
+            target = sums.get(names[v]) or service(v)
+            (target.pairs if pre else target.holders)[names[by]] = [count, wait]
 
         if len(c):
             per = np.zeros((n, len(CGROUP_FIELDS)), np.int64)
