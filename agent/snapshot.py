@@ -16,11 +16,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-# hist kinds, as in bpf/sched.h
-HIST_RUNQ = 0
-HIST_IOWAIT = 1
-# The pseudo cgroup id kernel threads are counted under (bpf/sched.h).
-KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
+# Re-exported: the kinds and ids snapshots are made of.
+from agent.probe.layout import (
+    BLAME_HOLDER,
+    BLAME_PREEMPTED,
+    CGROUP_FIELDS,
+    EV_IOWAIT,
+    EV_MIGRATE,
+    EV_PREEMPTED,
+    EV_RUNQ,
+    HIST_IOWAIT,
+    HIST_RUNQ,
+    KERNEL_CGID,
+)
 
 
 class Bucket(NamedTuple):
@@ -62,12 +70,6 @@ class ProgramStats:
     run_time_ns: int
 
 
-# sched_event kinds, as in bpf/sched.h
-EV_RUNQ = 0
-EV_PREEMPTED = 1
-EV_IOWAIT = 2
-EV_MIGRATE = 3
-
 
 @dataclass(frozen=True)
 class SchedEvent:
@@ -81,16 +83,11 @@ class SchedEvent:
     tid: int
 
 
-# Blame kinds, as in bpf/sched.h (blame_key.kind).
-BLAME_PREEMPTED = 0
-BLAME_HOLDER = 1
-
 # Column layouts of a drained snapshot: one row per map entry.
 HIST_ROW = np.dtype([("cgid", np.uint64), ("kind", np.uint16), ("slot", np.uint32), ("count", np.int64),
                      ("sum_ns", np.int64)])
 BLAME_ROW = np.dtype([("victim", np.uint64), ("culprit", np.uint64), ("kind", np.uint16), ("count", np.int64),
                       ("wait_ns", np.int64)])
-CGROUP_FIELDS = tuple(CgroupCounters.__dataclass_fields__)
 CGROUP_ROW = np.dtype([("cgid", np.uint64)] + [(f, np.int64) for f in CGROUP_FIELDS])
 
 

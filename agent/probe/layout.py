@@ -1,15 +1,63 @@
-"""ctypes mirrors of the structs in bpf/sched.h.
+"""The C <-> Python contract: every constant and struct of bpf/sched.h, once.
 
-BCC builds its own ctypes types from the compiled program; these mirrors exist
-so the reader can allocate batch buffers without a loaded program and so a
-test can check that both agree field by field (tests/kernel/test_probe.py).
+Nothing else in the agent restates a value from the header: histogram math,
+snapshots and the loader import it from here. tests/unit/test_layout.py checks
+every constant against the header's #defines, and tests/kernel/test_probe.py
+checks the ctypes mirrors field by field against what BCC compiled (BCC builds
+its own types; these exist so buffers can be allocated without a loaded
+program). Pure: no bcc import.
 """
 
 from __future__ import annotations
 
 import ctypes as ct
 
-from agent.snapshot import CGROUP_FIELDS
+# Log-linear histogram layout (hist_slot()).
+HIST_MIN_SHIFT = 8
+HIST_MAX_SHIFT = 34
+HIST_SUB_SHIFT = 4
+HIST_SUB = 1 << HIST_SUB_SHIFT
+HIST_SLOTS = 2 + (HIST_MAX_SHIFT - HIST_MIN_SHIFT + 1) * HIST_SUB
+# hist_key.kind
+HIST_RUNQ = 0
+HIST_IOWAIT = 1
+# The pseudo cgroup id kernel threads are counted under.
+KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
+KTHREADD_PID = 2
+TF_KTHREAD = 1
+# task_info.state
+TS_UNKNOWN = 0
+TS_RUNNING = 1
+TS_RUNNABLE = 2
+TS_PREEMPTED = 3
+TS_SLEEPING = 4
+TS_BLOCKED = 5
+TS_EXITING = 6
+# sched_event.kind
+EV_RUNQ = 0
+EV_PREEMPTED = 1
+EV_IOWAIT = 2
+EV_MIGRATE = 3
+# blame_key.kind
+BLAME_PREEMPTED = 0
+BLAME_HOLDER = 1
+# cgroup_val, in field order (CG_* are the indices)
+CGROUP_FIELDS = (
+    "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
+    "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
+)
+CG_MIGRATIONS = 0
+CG_UNTRACED_SWITCH_IN = 1
+CG_UNTRACED_SWITCH_OUT = 2
+CG_UNTRACED_WAKEUP = 3
+CG_LOST_RUNQ = 4
+CG_LOST_IOWAIT = 6
+CG_LOST_BLAME = 8
+CG_FIELDS = len(CGROUP_FIELDS)
+# errors array index (ERR_*) -> the map whose update failed; "pairs" is the
+# blame map (the name predates it and labels exported series).
+ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups", "events", "events_rate_limited")
+NR_ERRORS = len(ERROR_MAPS)
 
 
 class TaskInfo(ct.Structure):
@@ -47,7 +95,6 @@ class CgroupKey(ct.Structure):
     _fields_ = [("cgid", ct.c_uint64), ("gen", ct.c_uint32), ("pad", ct.c_uint32)]
 
 
-# cgroup_val's fields are CgroupCounters', in the order of bpf/sched.h (CG_* indices).
 
 
 class CgroupVal(ct.Structure):
@@ -83,8 +130,5 @@ MAP_TYPES: dict[str, tuple[type, type]] = {
     "event_rates": (ct.c_uint32, EventRate),
 }
 
-# index in the errors array -> the map whose update failed (bpf/sched.h ERR_*)
-# ("pairs" is the blame map: the name predates it and labels exported series.)
-ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups", "events", "events_rate_limited")
 # Maps drained every interval: their keys carry a generation.
 DRAINED_MAPS = ("hists", "blame", "cgroups")

@@ -20,14 +20,10 @@ import agent
 from agent.probe.features import Features
 import numpy as np
 
-from agent.probe.layout import ERROR_MAPS, MAP_TYPES, Ctl, TaskInfo
+from agent.probe.layout import ERROR_MAPS, MAP_TYPES, TF_KTHREAD, TS_RUNNING, Ctl, TaskInfo
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
-
-# bpf/sched.h
-TS_RUNNING = 1
-TF_KTHREAD = 1
 
 BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno

@@ -18,13 +18,8 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
+from agent.probe.layout import HIST_MAX_SHIFT, HIST_MIN_SHIFT, HIST_SLOTS, HIST_SUB, HIST_SUB_SHIFT
 from agent.snapshot import Bucket
-
-HIST_MIN_SHIFT = 8
-HIST_MAX_SHIFT = 34
-HIST_SUB_SHIFT = 4
-HIST_SUB = 1 << HIST_SUB_SHIFT
-HIST_SLOTS = 2 + (HIST_MAX_SHIFT - HIST_MIN_SHIFT + 1) * HIST_SUB
 
 OVERFLOW_SLOT = HIST_SLOTS - 1
 # Values at or above this many ns land in the overflow slot.

@@ -5,38 +5,16 @@ from __future__ import annotations
 import bisect
 import math
 import random
-import re
-from importlib.resources import files
-from pathlib import Path
-
 import pytest
 
-import agent
 from agent.snapshot import Bucket
 from agent.store import histogram as h
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts, slot_bounds, slot_of
-
-
-def _sched_h() -> str:
-    in_tree = Path(agent.__file__).parent.parent / "bpf" / "sched.h"
-    if in_tree.is_file():
-        return in_tree.read_text()
-    return files("agent.bpf").joinpath("sched.h").read_text()
-
-
-def _header_defines() -> dict[str, int]:
-    """#define NAME <integer expression> lines, evaluated in order."""
-    defines: dict[str, int] = {}
-    for m in re.finditer(r"^#define\s+(\w+)\s+(.+?)\s*(?:/\*.*)?$", _sched_h(), re.M):
-        name, expr = m.groups()
-        expr = re.sub(r"(?<=[0-9a-fA-F])U?L{1,2}\b", "", expr)  # C integer suffixes
-        if re.fullmatch(r"[\w\s()+\-*<>]+", expr):
-            defines[name] = eval(expr, {"__builtins__": {}}, dict(defines))  # noqa: S307
-    return defines
+from tests.support.bpf_header import header_defines
 
 
 def test_constants_match_sched_h() -> None:
-    d = _header_defines()
+    d = header_defines()
     for name in ("HIST_MIN_SHIFT", "HIST_MAX_SHIFT", "HIST_SUB_SHIFT", "HIST_SUB", "HIST_SLOTS"):
         assert getattr(h, name) == d[name], name
     assert h.HIST_SLOTS == 434
