@@ -46,6 +46,10 @@ BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 # buffer: bounds both the buffer's fill and the delay before a request is
 # attributed.
 EVENT_DRAIN_S = 0.1
+# The first interval ends this soon after attach (or after one interval, if
+# shorter), so /readyz turns 200 without waiting a whole interval; the store
+# keeps each interval's real start and end, so a short first one is exact.
+FIRST_INTERVAL_S = 0.1
 
 
 class StartupError(Exception):
@@ -177,6 +181,7 @@ class Daemon:
             raise StartupError(f"cannot load the BPF programs ({e}); run 'slatrace check' to see "
                                "which prerequisite is missing") from None
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
+        self._release_compiler_memory()
         self._bpf_stats.enable()
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()
@@ -192,6 +197,18 @@ class Daemon:
             self._otlp_metrics.start()
         self._drain_thread.start()
         self._start_traces(cgroups)
+        self._collect_first_interval()
+
+    def _collect_first_interval(self) -> None:
+        """A short first interval: ready soon after attach, not one interval later."""
+        if not self.stop_event.wait(min(FIRST_INTERVAL_S, self.config.interval)):
+            self.poll_once()
+
+    def _release_compiler_memory(self) -> None:
+        """The compiler is done: give its heap and library pages back (agent/probe/footprint.py)."""
+        from agent.probe.footprint import release_compiler_memory  # noqa: PLC0415
+
+        log.info("after the compile: %s", release_compiler_memory().describe())
 
     def _start_traces(self, cgroups: CgroupPaths) -> None:
         from agent.traces.runtime import Traces  # noqa: PLC0415

@@ -75,17 +75,18 @@ class Traces:
 
     def start(self) -> None:
         """Bind and serve; OSError when an address cannot be bound."""
-        from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415
-        from agent.traces.receiver_http import HttpReceiver  # noqa: PLC0415
-
         if self.forwarder is not None:
             self.forwarder.start()
         self.pipeline.start()
         if self._grpc_addr is not None:
+            from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415  (loads grpc: only when asked)
+
             self.grpc = GrpcReceiver(*self._grpc_addr, self.pipeline, self.counters, self._limits)
             self.grpc.start()
             log.info("OTLP/gRPC trace receiver on %s:%d", self._grpc_addr[0], self.grpc.port)
         if self._http_addr is not None:
+            from agent.traces.receiver_http import HttpReceiver  # noqa: PLC0415
+
             try:
                 self.http = HttpReceiver(*self._http_addr, self.pipeline, self.counters, self._limits)
             except OSError as e:

@@ -1,0 +1,38 @@
+"""Which mappings the agent pages out after the compile (agent/probe/footprint.py)."""
+
+from __future__ import annotations
+
+from agent.probe.footprint import Released, compiler_ranges
+
+# /proc/PID/maps lines as a Debian 12 agent shows them after BCC compiled.
+MAPS = """\
+55d0c0000000-55d0c0021000 r--p 00000000 fe:01 1048601    /usr/bin/python3.11
+7f2a10000000-7f2a10021000 rw-p 00000000 00:00 0
+7f2a20000000-7f2a22bd1000 r--p 00000000 fe:01 2359312    /usr/lib/x86_64-linux-gnu/libLLVM-14.so.1
+7f2a22bd1000-7f2a25f64000 r-xp 02bd1000 fe:01 2359312    /usr/lib/x86_64-linux-gnu/libLLVM-14.so.1
+7f2a26000000-7f2a27000000 r-xp 00000000 fe:01 2359400    /usr/lib/llvm-14/lib/libclang-cpp.so.14
+7f2a28000000-7f2a28100000 r-xp 00000000 fe:01 2359500    /usr/lib/x86_64-linux-gnu/libbcc.so.0.26.0
+7f2a29000000-7f2a29100000 r-xp 00000000 fe:01 2359600    /usr/lib/x86_64-linux-gnu/libclang_rt.so
+7f2a2a000000-7f2a2a001000 rw-p 00000000 00:00 0          [heap]
+7f2a2b000000-7f2a2b001000 r--p 00000000 fe:01 2359700    /opt/my libLLVM-14.so.1 copy/libfoo.so
+"""
+
+
+def test_only_the_compiler_libraries_are_chosen() -> None:
+    assert compiler_ranges(MAPS) == [
+        (0x7F2A20000000, 0x7F2A22BD1000),
+        (0x7F2A22BD1000, 0x7F2A25F64000),
+        (0x7F2A26000000, 0x7F2A27000000),
+    ]
+
+
+def test_nothing_to_page_out_without_bcc() -> None:
+    assert compiler_ranges("") == []
+    assert compiler_ranges("7f2a2a000000-7f2a2a001000 rw-p 00000000 00:00 0\n") == []
+
+
+def test_description_names_what_was_done() -> None:
+    text = Released(trimmed=True, paged_out_bytes=161 << 20, ranges=7).describe()
+    assert text == "heap trimmed: yes; compiler mappings paged out: 7 ranges, 161 MiB mapped"
+    assert Released(False, 0, 0, "madvise(MADV_PAGEOUT): Invalid argument").describe().endswith(
+        "(madvise(MADV_PAGEOUT): Invalid argument)")
