@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup setup-test run test test-unit bench clean
+.PHONY: setup setup-test run test test-unit bench bench-footprint clean
 
 setup:
 	scripts/setup.sh
@@ -23,6 +23,9 @@ test-unit: setup
 
 bench: setup-test
 	$(VENV)/bin/python -m bench.run $(ARGS)
+
+bench-footprint: setup
+	$(VENV)/bin/python -m bench.footprint $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

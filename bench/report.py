@@ -131,13 +131,14 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def update_markdown(path: Path, section: str) -> None:
-    """Replace the generated section between the markers, or append it."""
-    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
+def update_markdown(path: Path, section: str, begin: str = BEGIN, end: str = END,
+                    heading: str = "Results") -> None:
+    """Replace the generated section between the markers, or append it under heading."""
+    block = f"{begin}\n{section.rstrip()}\n{end}"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text, count=1)
     else:
-        text = text.rstrip() + "\n\n## Results\n\n" + block + "\n"
+        text = text.rstrip() + f"\n\n## {heading}\n\n" + block + "\n"
     path.write_text(text if text.endswith("\n") else text + "\n")

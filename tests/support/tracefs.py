@@ -561,6 +561,17 @@ def switch_out_state(prev_state: str) -> str:
     return SLEEPING
 
 
+class WaitSpan(NamedTuple):
+    """One run-queue wait with where it happened, for per-wait comparisons."""
+
+    tid: int
+    start_ns: int    # the wakeup (or switch-out) that made it runnable
+    end_ns: int      # its switch-in
+    wake_cpu: int    # the CPU that traced the wakeup / switch-out
+    cpu: int         # the CPU it was switched in on
+    prev_pid: int    # who held that CPU until then (0: the CPU was idle)
+
+
 class Preemption(NamedTuple):
     """A wait that followed an involuntary switch-out, and who took the CPU."""
 
@@ -592,6 +603,7 @@ class Reference:
     involuntary_switches: int = 0
     voluntary_switches: int = 0
     waits_by_tid: dict[int, list[int]] = field(default_factory=dict)
+    spans: list[WaitSpan] = field(default_factory=list)   # every wait of runq_waits_ns, in order
     tids: set[int] = field(default_factory=set)   # the tids followed, forks included
     first_ts: int = 0
     last_ts: int = 0
@@ -615,13 +627,14 @@ class Reference:
 
 
 class _Task:
-    __slots__ = ("state", "ts", "preemptor", "preemptor_known")
+    __slots__ = ("state", "ts", "preemptor", "preemptor_known", "cpu")
 
-    def __init__(self, state: str, ts: int) -> None:
+    def __init__(self, state: str, ts: int, cpu: int = -1) -> None:
         self.state = state
         self.ts = ts
         self.preemptor = 0
         self.preemptor_known = False
+        self.cpu = cpu   # where the last state change was traced
 
 
 def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
@@ -654,7 +667,7 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
     def followed(tid: int) -> bool:
         return wanted is None or tid in wanted
 
-    def on_wakeup(pid: int, now: int) -> None:
+    def on_wakeup(pid: int, now: int, cpu: int) -> None:
         t = tasks.get(pid)
         if t is None:
             return
@@ -665,6 +678,7 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
             ref.iowait_ns.append(now - t.ts)
         t.state = RUNNABLE
         t.ts = now
+        t.cpu = cpu
 
     for ev in events:
         now = ev.ts_ns
@@ -680,6 +694,7 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
                             wait = now - n.ts
                             ref.runq_waits_ns.append(wait)
                             ref.waits_by_tid.setdefault(nxt, []).append(wait)
+                            ref.spans.append(WaitSpan(nxt, n.ts, now, n.cpu, ev.cpu, prev))
                             if n.state == PREEMPTED:
                                 ref.preemptions.append(Preemption(nxt, n.preemptor, wait))
                                 ref.unknown_preemptor += not n.preemptor_known
@@ -714,15 +729,16 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
                 ref.untraced_switch_in += 1
             p.state = st
             p.ts = now
+            p.cpu = ev.cpu
             p.preemptor = nxt
             p.preemptor_known = next_known
         elif isinstance(ev, SchedWakeup):
             if ev.name == "sched_wakeup_new":
                 # What sched_process_fork does in BPF, for recordings without it.
                 tasks[ev.pid] = _Task(SLEEPING, now)
-                on_wakeup(ev.pid, now)
+                on_wakeup(ev.pid, now, ev.cpu)
             elif ev.name == "sched_wakeup":
-                on_wakeup(ev.pid, now)
+                on_wakeup(ev.pid, now, ev.cpu)
         elif isinstance(ev, SchedMigrate):
             if ev.pid in tasks and followed(ev.pid):
                 ref.migrations += 1

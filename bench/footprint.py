@@ -1,0 +1,220 @@
+"""The agent's resident memory and start-up time, lever by lever.
+
+    sudo .venv/bin/python -m bench.footprint [--rounds 5] [--no-write-md]
+    sudo make bench-footprint
+
+Each round starts the agent once per configuration (bench/agent_variant.py
+undoes one start-up lever at a time; the order rotates every round), measures
+spawn -> first /readyz 200, then reads /proc/PID/status at ready and STEADY_S
+later: VmRSS, RssAnon, RssFile, and VmHWM (the start-up peak: the compile).
+Medians over rounds go to BENCHMARKS.md between their own markers, raw
+figures to bench-results/footprint-<timestamp>.json.
+
+The kernel does not page out file pages another process maps too: when
+another BCC tool holds libLLVM during a run, that run's RssFile stays high.
+The bench counts such processes at each reading and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.tools import free_port, log_tail, spawn, stop
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+STEADY_S = 3.0
+READY_TIMEOUT_S = 60.0
+RSS_TARGET = 64 * MIB
+READY_TARGET_S = 1.5
+# (label, variant, extra flags): receivers off as in bench/run.py, plus the
+# shipped agent with its default OTLP receivers on (gRPC loaded).
+CONFIGS = (
+    ("shipped", "shipped", ()),
+    ("shipped, OTLP receivers on", "shipped", ("--otlp-grpc-listen", "127.0.0.1:0",
+                                               "--otlp-http-listen", "127.0.0.1:0")),
+    ("no-release", "no-release", ()),
+    ("trim-only", "trim-only", ()),
+    ("pageout-only", "pageout-only", ()),
+    ("full-first-interval", "full-first-interval", ()),
+    ("before", "before", ()),
+)
+FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+BEGIN = "<!-- BEGIN footprint results: written by `make bench-footprint`; edits inside are overwritten -->"
+END = "<!-- END footprint results -->"
+
+
+def status(pid: int) -> dict[str, int]:
+    """The memory lines of /proc/PID/status, in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in FIELDS:
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def llvm_sharers(own: int) -> int:
+    """Other processes that map libLLVM now (their pages cannot be paged out by us)."""
+    n = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == own:
+            continue
+        try:
+            if "libLLVM" in (entry / "maps").read_text():
+                n += 1
+        except OSError:
+            continue
+    return n
+
+
+def ready_get(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=0.5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def one_run(variant: str, flags: tuple[str, ...], log: Path) -> dict[str, Any]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.agent_variant", variant, "run", "--listen", f"127.0.0.1:{port}",
+           "--otlp-grpc-listen", "off", "--otlp-http-listen", "off", *flags]
+    t0 = time.monotonic()
+    proc = spawn(cmd, log)
+    try:
+        while ready_get(port) != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{variant} exited with status {proc.returncode}:\n{log_tail(log)}")
+            if time.monotonic() - t0 > READY_TIMEOUT_S:
+                raise RuntimeError(f"{variant} not ready {READY_TIMEOUT_S:.0f} s after start:\n{log_tail(log)}")
+            time.sleep(0.01)
+        ready = time.monotonic() - t0
+        at_ready = status(proc.pid)
+        time.sleep(STEADY_S)
+        steady = status(proc.pid)
+        sharers = llvm_sharers(proc.pid)
+    finally:
+        stop(proc, 15)
+    return {"ready_s": ready, "at_ready": at_ready, "steady": steady, "llvm_sharers": sharers}
+
+
+def median(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for label, _, _ in CONFIGS:
+        mine = [r for r in runs if r["label"] == label]
+        if not mine:
+            continue
+        out[label] = {"runs": len(mine), "ready_s": median([r["ready_s"] for r in mine]),
+                      "shared_runs": sum(1 for r in mine if r["llvm_sharers"])}
+        for f in FIELDS:
+            out[label][f] = median([r["steady"][f] for r in mine])
+    return out
+
+
+def _mib(m: dict[str, float]) -> str:
+    return f"{m['median'] / MIB:.0f} ({m['min'] / MIB:.0f}–{m['max'] / MIB:.0f})"
+
+
+def render(res: dict[str, Any]) -> str:
+    s = res["summary"]
+    m = res["machine"]
+    lines = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}; command `{m['command']}`; "
+             f"{res['rounds']} interleaved rounds (order rotated each round), one start per configuration "
+             f"and round; medians (min–max). Memory read {STEADY_S:.0f} s after ready; the peak is VmHWM, "
+             "reached during the compile.", ""]
+    shipped = s.get("shipped")
+    if shipped:
+        rss, ready = shipped["VmRSS"]["median"], shipped["ready_s"]["median"]
+        lines += ["| target | measured | limit | verdict |", "|---|---:|---:|---|",
+                  f"| RSS, steady (shipped) | {rss / MIB:.0f} MiB | ≤ 64 MiB | {'PASS' if rss <= RSS_TARGET else 'MISS'} |",
+                  f"| start-up, spawn → /readyz 200 (shipped) | {ready:.2f} s | ≤ {READY_TARGET_S} s | "
+                  f"{'PASS' if ready <= READY_TARGET_S else 'MISS'} |", ""]
+    lines += ["| configuration | ready s | RSS MiB | RssAnon MiB | RssFile MiB | start-up peak (VmHWM) MiB |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for label, v in s.items():
+        r = v["ready_s"]
+        lines.append(f"| {label} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) | {_mib(v['VmRSS'])} | "
+                     f"{_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | {_mib(v['VmHWM'])} |")
+    shared = {label: v["shared_runs"] for label, v in s.items() if v["shared_runs"]}
+    if shared:
+        lines += ["", "Runs during which another process mapped libLLVM (its pages then stay resident): "
+                  + ", ".join(f"{k}: {n}" for k, n in shared.items()) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.footprint", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-write-md", dest="write_md", action="store_false", default=True)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench: run as root (loading BPF needs it): sudo make bench-footprint")
+    logdir = Path(tempfile.mkdtemp(prefix="slatrace-footprint-"))
+    runs = []
+    t0 = time.monotonic()
+    for rnd in range(args.rounds):
+        order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
+        for label, variant, flags in order:
+            try:
+                r = one_run(variant, flags, logdir / f"{variant}-{rnd}.log")
+            except RuntimeError as e:
+                print(f"bench: {e}\nlogs kept in {logdir}", file=sys.stderr)
+                return 1
+            r.update(label=label, round=rnd)
+            runs.append(r)
+            print(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds} {label:28s} ready "
+                  f"{r['ready_s']:.2f} s, RSS {r['steady']['VmRSS'] / MIB:.0f} MiB (anon "
+                  f"{r['steady']['RssAnon'] / MIB:.0f}, file {r['steady']['RssFile'] / MIB:.0f}), peak "
+                  f"{r['steady']['VmHWM'] / MIB:.0f} MiB" + (f"; {r['llvm_sharers']} other libLLVM users"
+                                                            if r["llvm_sharers"] else ""), flush=True)
+    command = "make bench-footprint" if os.environ.get("MAKELEVEL") else " ".join(
+        [".venv/bin/python", "-m", "bench.footprint", *argv])
+    res = {"machine": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       "kernel": platform.release(), "nproc": os.cpu_count(), "command": command},
+           "rounds": args.rounds, "runs": runs, "summary": summarize(runs)}
+    out_dir = ROOT / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"footprint-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    md = render(res)
+    print("\n" + md + f"raw results: {path.relative_to(ROOT)}")
+    if args.write_md:
+        report.update_markdown(ROOT / "BENCHMARKS.md", md, begin=BEGIN, end=END,
+                               heading="Resident memory and start-up, lever by lever")
+        print("BENCHMARKS.md updated")
+    for f in logdir.iterdir():
+        f.unlink()
+    logdir.rmdir()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
