@@ -12,7 +12,10 @@ figures to bench-results/footprint-<timestamp>.json.
 
 The kernel does not page out file pages another process maps too: when
 another BCC tool holds libLLVM during a run, that run's RssFile stays high.
-The bench counts such processes at each reading and says so.
+So that a shared host measures what a node where the agent is the only BCC
+user would see, the bench runs the agents on private copies of the compiler
+libraries (LD_LIBRARY_PATH; --shared-llvm uses the system's), and counts at
+each reading the other processes mapping the agent's copy.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -52,29 +56,48 @@ CONFIGS = (
     ("full-first-interval", "full-first-interval", ()),
     ("before", "before", ()),
 )
-FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM", "Pss")
 BEGIN = "<!-- BEGIN footprint results: written by `make bench-footprint`; edits inside are overwritten -->"
 END = "<!-- END footprint results -->"
 
 
 def status(pid: int) -> dict[str, int]:
-    """The memory lines of /proc/PID/status, in bytes."""
+    """The memory lines of /proc/PID/status, and Pss from smaps_rollup, in bytes.
+
+    Pss splits pages shared with other processes among them: with another BCC
+    tool running it shows what this agent costs where RSS cannot."""
     out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in FIELDS:
-            out[key] = int(value.split()[0]) * 1024
+    for name in ("status", "smaps_rollup"):
+        for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in FIELDS:
+                out[key] = int(value.split()[0]) * 1024
     return out
 
 
-def llvm_sharers(own: int) -> int:
-    """Other processes that map libLLVM now (their pages cannot be paged out by us)."""
+COMPILER_LIBRARIES = ("libLLVM-14.so.1", "libclang-cpp.so.14")
+LIBRARY_DIRS = (Path("/lib/x86_64-linux-gnu"), Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib/llvm-14/lib"))
+
+
+def private_compiler_libraries(into: Path) -> dict[str, str]:
+    """Copy the compiler libraries libbcc links into `into`; the environment
+    that makes the agent load them from there (no other process maps them)."""
+    for name in COMPILER_LIBRARIES:
+        src = next((d / name for d in LIBRARY_DIRS if (d / name).exists()), None)
+        if src is None:
+            raise RuntimeError(f"{name} not found in {', '.join(map(str, LIBRARY_DIRS))}: is python3-bpfcc installed?")
+        shutil.copy2(src.resolve(), into / name)
+    return {"LD_LIBRARY_PATH": str(into)}
+
+
+def llvm_sharers(own: int, library: str) -> int:
+    """Other processes that map `library` now (those pages cannot be paged out by us)."""
     n = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == own:
             continue
         try:
-            if "libLLVM" in (entry / "maps").read_text():
+            if library in (entry / "maps").read_text():
                 n += 1
         except OSError:
             continue
@@ -91,12 +114,13 @@ def ready_get(port: int) -> int:
         return 0
 
 
-def one_run(variant: str, flags: tuple[str, ...], log: Path) -> dict[str, Any]:
+def one_run(variant: str, flags: tuple[str, ...], log: Path, env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
     cmd = [sys.executable, "-m", "bench.agent_variant", variant, "run", "--listen", f"127.0.0.1:{port}",
            "--otlp-grpc-listen", "off", "--otlp-http-listen", "off", *flags]
     t0 = time.monotonic()
-    proc = spawn(cmd, log)
+    proc = spawn(cmd, log, {**os.environ, **env})
+    library = str(Path(env["LD_LIBRARY_PATH"]) / COMPILER_LIBRARIES[0]) if env else COMPILER_LIBRARIES[0]
     try:
         while ready_get(port) != 200:
             if proc.poll() is not None:
@@ -108,7 +132,7 @@ def one_run(variant: str, flags: tuple[str, ...], log: Path) -> dict[str, Any]:
         at_ready = status(proc.pid)
         time.sleep(STEADY_S)
         steady = status(proc.pid)
-        sharers = llvm_sharers(proc.pid)
+        sharers = llvm_sharers(proc.pid, library)
     finally:
         stop(proc, 15)
     return {"ready_s": ready, "at_ready": at_ready, "steady": steady, "llvm_sharers": sharers}
@@ -141,7 +165,7 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}; command `{m['command']}`; "
              f"{res['rounds']} interleaved rounds (order rotated each round), one start per configuration "
              f"and round; medians (min–max). Memory read {STEADY_S:.0f} s after ready; the peak is VmHWM, "
-             "reached during the compile.", ""]
+             f"reached during the compile. Compiler libraries: {m['compiler_libraries']}.", ""]
     shipped = s.get("shipped")
     if shipped:
         rss, ready = shipped["VmRSS"]["median"], shipped["ready_s"]["median"]
@@ -149,15 +173,15 @@ def render(res: dict[str, Any]) -> str:
                   f"| RSS, steady (shipped) | {rss / MIB:.0f} MiB | ≤ 64 MiB | {'PASS' if rss <= RSS_TARGET else 'MISS'} |",
                   f"| start-up, spawn → /readyz 200 (shipped) | {ready:.2f} s | ≤ {READY_TARGET_S} s | "
                   f"{'PASS' if ready <= READY_TARGET_S else 'MISS'} |", ""]
-    lines += ["| configuration | ready s | RSS MiB | RssAnon MiB | RssFile MiB | start-up peak (VmHWM) MiB |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += ["| configuration | ready s | RSS MiB | RssAnon MiB | RssFile MiB | PSS MiB | start-up peak (VmHWM) MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for label, v in s.items():
         r = v["ready_s"]
         lines.append(f"| {label} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) | {_mib(v['VmRSS'])} | "
-                     f"{_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | {_mib(v['VmHWM'])} |")
+                     f"{_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | {_mib(v['Pss'])} | {_mib(v['VmHWM'])} |")
     shared = {label: v["shared_runs"] for label, v in s.items() if v["shared_runs"]}
     if shared:
-        lines += ["", "Runs during which another process mapped libLLVM (its pages then stay resident): "
+        lines += ["", "Runs during which another process mapped the same libLLVM (its pages then stay resident): "
                   + ", ".join(f"{k}: {n}" for k, n in shared.items()) + "."]
     return "\n".join(lines) + "\n"
 
@@ -166,6 +190,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.footprint", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-write-md", dest="write_md", action="store_false", default=True)
+    p.add_argument("--shared-llvm", action="store_true",
+                   help="load the system's compiler libraries (shared with any other BCC tool running)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
@@ -178,15 +204,23 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench: run as root (loading BPF needs it): sudo make bench-footprint")
     logdir = Path(tempfile.mkdtemp(prefix="slatrace-footprint-"))
+    try:
+        env = {} if args.shared_llvm else private_compiler_libraries(logdir)
+        return measure(args, argv, logdir, env)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[str, str]) -> int:
     runs = []
     t0 = time.monotonic()
     for rnd in range(args.rounds):
         order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
         for label, variant, flags in order:
             try:
-                r = one_run(variant, flags, logdir / f"{variant}-{rnd}.log")
+                r = one_run(variant, flags, logdir / f"{variant}-{rnd}.log", env)
             except RuntimeError as e:
-                print(f"bench: {e}\nlogs kept in {logdir}", file=sys.stderr)
+                print(f"bench: {e}", file=sys.stderr)
                 return 1
             r.update(label=label, round=rnd)
             runs.append(r)
@@ -198,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "make bench-footprint" if os.environ.get("MAKELEVEL") else " ".join(
         [".venv/bin/python", "-m", "bench.footprint", *argv])
     res = {"machine": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                       "kernel": platform.release(), "nproc": os.cpu_count(), "command": command},
+                       "kernel": platform.release(), "nproc": os.cpu_count(), "command": command,
+                       "compiler_libraries": "system (shared)" if args.shared_llvm else "private copies"},
            "rounds": args.rounds, "runs": runs, "summary": summarize(runs)}
     out_dir = ROOT / "bench-results"
     out_dir.mkdir(exist_ok=True)
@@ -210,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         report.update_markdown(ROOT / "BENCHMARKS.md", md, begin=BEGIN, end=END,
                                heading="Resident memory and start-up, lever by lever")
         print("BENCHMARKS.md updated")
-    for f in logdir.iterdir():
-        f.unlink()
-    logdir.rmdir()
     return 0
 
 
