@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+if TYPE_CHECKING:  # rich loads only to print: `slatrace run` registers these commands too
+    from rich.console import Console
+    from rich.text import Text
 
 __all__ = ["add_request_commands", "REQUEST_COMMANDS", "timeline"]
 
@@ -70,6 +71,8 @@ REQUEST_COMMANDS = {"requests": cmd_requests, "explain": cmd_explain}
 
 
 def _console() -> Console:
+    from rich.console import Console  # noqa: PLC0415
+
     return Console(highlight=False, soft_wrap=False)
 
 
@@ -87,6 +90,8 @@ def _slo_text(slo: list[dict]) -> str:
 
 
 def print_requests(doc: dict) -> None:
+    from rich.table import Table  # noqa: PLC0415
+
     table = Table()
     for col in ("request", "service", "e2e", "ttft", "runq wait", "preempt", "top culprit", "SLO", "verdict"):
         table.add_column(col, justify="right" if col in ("e2e", "ttft", "runq wait", "preempt") else "left",
@@ -105,6 +110,8 @@ def print_requests(doc: dict) -> None:
 
 def _bar(offset: float, length: float, total: float, style: str, width: int = BAR_WIDTH) -> Text:
     """A row of the timeline: `length` seconds starting `offset` seconds in."""
+    from rich.text import Text  # noqa: PLC0415
+
     scale = width / total if total > 0 else 0.0
     start = min(width, int(round(offset * scale)))
     n = min(width - start, max(1 if length > 0 else 0, int(round(length * scale))))
@@ -147,6 +154,9 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
 
 
 def print_explain(doc: dict) -> None:
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
     console = _console()
     console.print(Text(f"request {doc['request_id']}  service {doc['service']}  trace {doc.get('trace_id', '')}",
                        style="bold"))
