@@ -119,6 +119,12 @@ def test_idle_wakeups_agent_tracefs_and_schedstat(probe, tmp_path: Path) -> None
              if e.tid == tid and e.kind in (EV_RUNQ, EV_PREEMPTED) and e.end_ns > notes[0][0]}
     agent_ends = sorted(agent)
 
+    # The reference must cover the sleeper's runs: schedstat counted them.
+    runs = notes[-1][2] - notes[0][2]
+    traced = sum(1 for s in spans if s.end_ns <= notes[-1][0])
+    assert traced >= 0.95 * runs, (f"tracefs saw {traced} switch-ins after a wait where schedstat counted "
+                                   f"{runs} runs: the recording has a hole")
+
     # 1. The agent against tracefs, wait by wait.
     matched = []
     for s in spans:

@@ -451,11 +451,20 @@ class TraceRecorder:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
+            # Nothing of ours turns it off while recording: if it is off, another
+            # process did, and the recording has a hole that no counter shows.
+            was_on = (self.instance / "tracing_on").read_text().strip() == "1"
+            disabled = [name for name in self.event_names
+                        if (self._event_dir(name) / "enable").read_text().strip() != "1"]
             self._write("tracing_on", "0")
             for name in self.event_names:
                 (self._event_dir(name) / "enable").write_text("0")
             if exc_type is not None:
                 return  # the block's own error matters more than the trace
+            if not was_on or disabled:
+                raise TraceLost(f"tracing was switched off in {self.instance.name} while recording "
+                                f"({'tracing_on' if not was_on else ', '.join(disabled)}): another process "
+                                "reset the tracefs instances")
             if self.mode in ("text", "both"):
                 self.lost = read_lost(self.instance)
                 text = (self.instance / "trace").read_bytes().decode("utf-8", "replace")
