@@ -165,7 +165,9 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}; command `{m['command']}`; "
              f"{res['rounds']} interleaved rounds (order rotated each round), one start per configuration "
              f"and round; medians (min–max). Memory read {STEADY_S:.0f} s after ready; the peak is VmHWM, "
-             f"reached during the compile. Compiler libraries: {m['compiler_libraries']}.", ""]
+             f"reached during the compile. Compiler libraries: {m['compiler_libraries']}. Load average "
+             f"(1 min) {m['load_average'][0]:.1f} before, {m['load_average'][1]:.1f} after: start-up times "
+             "grow with it (the compile is CPU-bound).", ""]
     shipped = s.get("shipped")
     if shipped:
         rss, ready = shipped["VmRSS"]["median"], shipped["ready_s"]["median"]
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[str, str]) -> int:
     runs = []
     t0 = time.monotonic()
+    load_before = os.getloadavg()[0]
     for rnd in range(args.rounds):
         order = CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]
         for label, variant, flags in order:
@@ -233,7 +236,8 @@ def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[s
         [".venv/bin/python", "-m", "bench.footprint", *argv])
     res = {"machine": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "kernel": platform.release(), "nproc": os.cpu_count(), "command": command,
-                       "compiler_libraries": "system (shared)" if args.shared_llvm else "private copies"},
+                       "compiler_libraries": "system (shared)" if args.shared_llvm else "private copies",
+                       "load_average": [load_before, os.getloadavg()[0]]},
            "rounds": args.rounds, "runs": runs, "summary": summarize(runs)}
     out_dir = ROOT / "bench-results"
     out_dir.mkdir(exist_ok=True)
