@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from agent.probe.footprint import COMPILER_LIBRARIES, release_compiler_memory
+from agent.probe.footprint import COMPILER_LIBRARIES
+from bench.footprint import private_compiler_libraries
 
 pytestmark = pytest.mark.kernel
 
@@ -37,20 +41,49 @@ def compiler_resident(smaps: Path = Path("/proc/self/smaps")) -> tuple[int, int,
     return rss - anon - shared, shared, anon
 
 
-def test_release_drops_the_compilers_pages_and_the_probe_still_reads(probe):
-    before = compiler_resident()
-    released = release_compiler_memory()
-    after = compiler_resident()
+# Runs in a child process: the probe loaded on private copies of the compiler
+# libraries, so that no other BCC tool on the host shares (and pins) their pages.
+CHILD = """
+import json, time
+from agent.probe import features
+from agent.probe.footprint import release_compiler_memory
+from agent.probe.loader import Probe
+from tests.kernel.test_footprint import compiler_resident, compiler_paths
+
+probe = Probe.load(features.detect())
+before = compiler_resident()
+released = release_compiler_memory()
+after = compiler_resident()
+time.sleep(0.3)
+snap = probe.snapshot()
+runs = sum(b.count for h in snap.hists.values() for b in h.values())
+probe.close()
+print(json.dumps({"before": before, "after": after, "described": released.describe(), "error": released.error,
+                  "ranges": released.ranges, "runs": runs, "paths": sorted(compiler_paths())}))
+"""
+
+def compiler_paths(maps: Path = Path("/proc/self/maps")) -> set[str]:
+    return {line.split(None, 5)[5] for line in maps.read_text().splitlines()
+            if len(line.split(None, 5)) == 6 and COMPILER_LIBRARIES.search(line.split(None, 5)[5])}
+
+
+def test_release_drops_the_compilers_pages_and_the_probe_still_reads(kernel: None, tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = private_compiler_libraries(tmp_path)
+    out = subprocess.run([sys.executable, "-c", CHILD], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout.splitlines()[-1])
+    before, after = doc["before"], doc["after"]
     print("\ncompiler mappings resident, MiB of private file / shared file / anonymous pages: before "
           + " / ".join(f"{b / MIB:.1f}" for b in before) + ", after " + " / ".join(f"{b / MIB:.1f}" for b in after)
-          + f"; {released.describe()}")
-    assert released.error is None
-    assert released.ranges >= 2  # libLLVM and libclang-cpp at least
-    # The compile touched tens of MiB of their code (shared when another BCC
-    # tool runs here too); what only this process held is gone.
-    assert before[0] + before[1] > 20 * MIB
+          + f"; {doc['described']}")
+    assert doc["paths"] and all(p.startswith(str(tmp_path)) for p in doc["paths"]), doc["paths"]
+    assert doc["error"] is None
+    assert doc["ranges"] >= 2  # libLLVM and libclang-cpp at least
+    # The compile touched tens of MiB of their code, which only this process
+    # maps; after the release they are gone.
+    assert before[0] > 20 * MIB
     assert after[0] < 2 * MIB
-    # Map reads go through libbcc, untouched; the maps still fill.
-    time.sleep(0.3)
-    snap = probe.snapshot()
-    assert sum(b.count for h in snap.hists.values() for b in h.values()) > 0
+    # Map reads go through libbcc, untouched: the maps still fill.
+    assert doc["runs"] > 0
