@@ -9,8 +9,11 @@ counters around a workload costs no extra process.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,5 +188,75 @@ def process_maps(pid: int) -> list[MapInfo]:
         if row.get("id") in ids:
             out.append(MapInfo(name=row.get("name", f"id{row['id']}"), type=row["type"],
                                max_entries=int(row["max_entries"]), key_size=int(row["bytes_key"]),
-                               value_size=int(row["bytes_value"]), memlock=int(row.get("bytes_memlock", 0))))
+                               value_size=int(row["bytes_value"]), memlock=int(row.get("bytes_memlock", 0)),
+                               id=int(row["id"])))
     return sorted(out, key=lambda m: m.name)
+
+
+# --- map entries -------------------------------------------------------------
+# Counted with the bpf() syscall itself (BPF_MAP_GET_FD_BY_ID, then
+# BPF_MAP_GET_NEXT_KEY over the keys), independently of the agent's own reading
+# code and without copying the values: a 32768-key per-CPU map takes ~0.1 s.
+
+BPF_MAP_GET_NEXT_KEY = 4
+BPF_MAP_GET_FD_BY_ID = 14
+SYS_BPF = {"x86_64": 321, "aarch64": 280}
+KEYED = {"hash", "percpu_hash", "lru_hash", "lru_percpu_hash"}
+
+
+def _bpf(cmd: int, attr: ctypes.Array) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        raise RuntimeError(f"no bpf() syscall number known for {platform.machine()}")
+    ret = libc.syscall(ctypes.c_long(nr), ctypes.c_long(cmd), attr, ctypes.c_uint(len(attr)))
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return ret
+
+
+def map_keys(map_id: int, key_size: int, max_entries: int) -> list[bytes]:
+    """Every key of a loaded hash map, by map id. A map that changes meanwhile
+    may restart the walk (the kernel's next-key of a deleted key is the first
+    key); the walk is bounded and keys are deduplicated."""
+    attr = ctypes.create_string_buffer(16)
+    ctypes.c_uint32.from_buffer(attr, 0).value = map_id
+    fd = _bpf(BPF_MAP_GET_FD_BY_ID, attr)
+    try:
+        key = ctypes.create_string_buffer(key_size)
+        nxt = ctypes.create_string_buffer(key_size)
+        attr = ctypes.create_string_buffer(24)
+        ctypes.c_uint32.from_buffer(attr, 0).value = fd
+        ctypes.c_uint64.from_buffer(attr, 16).value = ctypes.addressof(nxt)
+        seen: dict[bytes, None] = {}
+        for _ in range(2 * max_entries + 2):
+            try:
+                _bpf(BPF_MAP_GET_NEXT_KEY, attr)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    break
+                raise
+            seen[nxt.raw] = None
+            ctypes.memmove(key, nxt, key_size)
+            ctypes.c_uint64.from_buffer(attr, 8).value = ctypes.addressof(key)
+        return list(seen)
+    finally:
+        os.close(fd)
+
+
+def process_map_keys(pid: int) -> dict[str, list[bytes]]:
+    """Map name -> keys, for every hash map the process holds."""
+    return {m.name: map_keys(m.id, m.key_size, m.max_entries)
+            for m in process_maps(pid) if m.type in KEYED}
+
+
+def keys_naming(keys: list[bytes], ids: set[int]) -> int:
+    """How many keys hold one of these 64-bit ids (cgroup ids) in any aligned
+    8-byte word: every per-cgroup key of the probe starts with a cgroup id, and
+    a pair key names two."""
+    n = 0
+    for k in keys:
+        if any(int.from_bytes(k[i:i + 8], "little") in ids for i in range(0, len(k) - 7, 8)):
+            n += 1
+    return n

@@ -9,6 +9,8 @@ lets the bench answer for a 64-CPU host too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 # struct htab_elem (hash node, LRU node or per-CPU pointer, hash) per element,
 # and struct bucket (list head and lock) per hash bucket; the kernel's own
@@ -21,6 +23,7 @@ PERCPU_ARRAY = {"percpu_array"}
 ARRAY = {"array", "perf_event_array", "prog_array"}
 RINGBUF = {"ringbuf"}
 MIB = 1 << 20
+MEMORY_LIMIT_64 = 64 * MIB   # the budget for a 64-CPU node
 
 
 def round8(n: int) -> int:
@@ -39,6 +42,7 @@ class MapShape:
 @dataclass(frozen=True)
 class MapInfo(MapShape):
     memlock: int  # bytes the kernel charges for the map on this host
+    id: int = 0   # the kernel's map id, while the map is loaded
 
 
 def map_bytes(m: MapShape, cpus: int) -> int:
@@ -68,3 +72,24 @@ def map_bytes(m: MapShape, cpus: int) -> int:
 
 def total_bytes(maps: list[MapShape], cpus: int) -> int:
     return sum(map_bytes(m, cpus) for m in maps)
+
+
+def summary(maps: list[MapInfo], cpus_here: int) -> dict[str, Any]:
+    """Per map and in total: the formula here and at 64 CPUs, and the kernel's memlock."""
+    rows = []
+    for m in maps:
+        rows.append({"name": m.name, "type": m.type, "max_entries": m.max_entries, "key_size": m.key_size,
+                     "value_size": m.value_size, "memlock": m.memlock,
+                     "bytes_here": map_bytes(m, cpus_here), "bytes_64": map_bytes(m, 64)})
+    return {"maps": rows, "cpus_here": cpus_here,
+            "bytes_here": sum(r["bytes_here"] for r in rows), "memlock_here": sum(r["memlock"] for r in rows),
+            "bytes_64": sum(r["bytes_64"] for r in rows), "limit_64": MEMORY_LIMIT_64}
+
+
+def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
+    """Per-CPU maps are sized by possible, not online, CPUs. "0-1,4-7" -> 6."""
+    n = 0
+    for part in path.read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return n

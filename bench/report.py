@@ -9,6 +9,9 @@ from typing import Any
 
 BEGIN = "<!-- BEGIN bench results: written by `make bench`; edits inside are overwritten -->"
 END = "<!-- END bench results -->"
+SCALE_BEGIN = "<!-- BEGIN scale results: written by `make bench`; edits inside are overwritten -->"
+SCALE_END = "<!-- END scale results -->"
+MAP_COLUMNS = ("hists", "pairs", "holders", "cgroups", "tasks")
 MIB = 1 << 20
 
 
@@ -54,6 +57,67 @@ def ratio_lines(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return rows
 
 
+def targets_table(targets: list[dict[str, Any]]) -> list[str]:
+    out = ["| target | measured | limit | verdict |", "|---|---:|---:|---|"]
+    for t in targets:
+        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "**FAIL**")
+        out.append(f"| {t['name']} | {t['measured']} | {t['limit']} | {verdict} |")
+    return out
+
+
+def _ms(d: dict[str, float | None]) -> str:
+    return "n/a" if d.get("median") is None else f"{d['median'] * 1e3:.0f} / {d['max'] * 1e3:.0f}"
+
+
+def render_scale(res: dict[str, Any], images: list[str]) -> str:
+    """The scale section: the agent beside N services and beside churn."""
+    m = res["machine"]
+    sc = res["scale"]
+    st = sc["settings"]
+    out = [
+        f"Measured {m['date']} on {m['nproc']} CPUs ({m['possible_cpus']} possible), kernel {m['kernel']}, "
+        f"commit {m['commit']} (bpf/sched.bpf.c sha256 {m['bpf_source_sha256']}).",
+        "",
+        f"Command: `{m['command']}`. Every worker computes ~{st['work_us']:.0f} us per round and sleeps so "
+        f"that all of them together ask for {st['load_cpus']:g} CPUs; churn: {st['churn_rate']:.0f} new cgroups "
+        f"a second, each killed and removed after {st['churn_lifetime_s']:.0f} s. A sample every "
+        f"{st['sample_s']:.0f} s.",
+        "",
+        "### Targets",
+        "",
+    ] + targets_table(sc["targets"])
+    out += ["", "### Agent cost", "",
+            f"| point | CPU, % of a core (collection) | CPU with a scrape every {st['prometheus_scrape_s']:.0f} s | "
+            "RSS / peak MiB | poll ms (median / max) | /metrics MB | series | scrape ms (median / max) | "
+            "services_tracked |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in sc["points"]:
+        mb = p["metrics_bytes"]["median"]
+        out.append(f"| {p['label']} | {_num(p['cpu_pct_loop'], '{:.1f}')} | {_num(p['cpu_pct_prometheus'], '{:.1f}')} | "
+                   f"{p['rss_mib']:.0f} / {p['peak_rss_mib']:.0f} | {_ms(p['poll_s'])} | "
+                   f"{_num(mb / 1e6 if mb else None, '{:.2f}')} | {_num(p['series']['median'], '{:.0f}')} | "
+                   f"{_ms(p['scrape_s'])} | {_num(p['services_tracked'], '{:.0f}')} |")
+    out += ["", "### BPF maps at the end of the window", "",
+            "| point | " + " | ".join(f"{c} entries / max" for c in MAP_COLUMNS) +
+            " | entries naming removed cgroups | map errors during the window |",
+            "|---|" + "---:|" * (len(MAP_COLUMNS) + 2)]
+    for p in sc["points"]:
+        cells = [f"{p['entries'].get(c, 0)} / {p['max_entries'].get(c, 0)}" for c in MAP_COLUMNS]
+        dead = (f"{sum(p['dead_entries'].values())} (of {p['dead_cgroups']} removed cgroups)"
+                if p["kind"] == "churn" else "–")
+        errs = {k: v for k, v in p["map_errors_window"].items() if v}
+        err_cell = ", ".join(f"{k} {v:.0f}" for k, v in sorted(errs.items())) or "0"
+        out.append(f"| {p['label']} | " + " | ".join(cells) + f" | {dead} | {err_cell} |")
+    mem = sc["points"][0]["memory"] if sc["points"] else None
+    if mem:
+        out += ["", f"BPF map memory as loaded: {mem['bytes_here'] / MIB:.1f} MiB by the formula at "
+                f"{mem['cpus_here']} CPUs (kernel memlock {mem['memlock_here'] / MIB:.1f} MiB), "
+                f"{mem['bytes_64'] / MIB:.1f} MiB at 64 possible CPUs."]
+    for img in images:
+        out += ["", f"![{Path(img).stem}]({img})"]
+    return "\n".join(out) + "\n"
+
+
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     st = res["settings"]
@@ -69,10 +133,7 @@ def render(res: dict[str, Any]) -> str:
     if res.get("notes"):
         out += [f"Note: {n}" for n in res["notes"]] + [""]
 
-    out += ["### Targets", "", "| target | measured | limit | verdict |", "|---|---:|---:|---|"]
-    for t in res["targets"]:
-        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "**FAIL**")
-        out.append(f"| {t['name']} | {t['measured']} | {t['limit']} | {verdict} |")
+    out += ["### Targets", ""] + targets_table(res["targets"])
 
     tools = ("slatrace", "runqlat")
     out += ["", "### In-kernel cost, both tools attached (same events)", ""]

@@ -1,4 +1,5 @@
-"""`make bench`: slatrace's cost against bcc's runqlat-bpfcc, in one bounded run.
+"""`make bench`: slatrace's cost against bcc's runqlat-bpfcc, and the agent at
+scale, in one bounded run.
 
 1. Both tools attached at once over the same workload runs: the kernel's
    per-program counters (kernel.bpf_stats_enabled) give ns per sched_switch
@@ -6,7 +7,10 @@
 2. Interleaved rounds of none / slatrace / runqlat (order rotated each round)
    over the same workloads: throughput medians and ratios to "none", each
    tool's in-kernel cost alone, slatrace's start-up time, RSS and poll time.
-3. The raw results go to bench-results/bench-<timestamp>.json; a Markdown
+3. Scale (bench/scale.py): the agent beside 10 / 100 / 1,000 busy services
+   and beside cgroup churn: CPU, memory, poll time, /metrics size, BPF map
+   entries and errors, with PNG plots.
+4. The raw results go to bench-results/bench-<timestamp>.json; a Markdown
    summary is printed and written into BENCHMARKS.md between markers.
 
 The VM is noisy, so everything is compared as medians and ratios of runs
@@ -32,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import bpfstats, mapmem, report, workloads
+from bench import bpfstats, mapmem, plots, report, scale, workloads
 from bench.bpfstats import BpfStatsSwitch, Counter
 from bench.tools import RUNQLAT, Runqlat, Slatrace, Tool
 
@@ -42,8 +46,9 @@ TOOLS = {"slatrace": Slatrace, "runqlat": Runqlat}
 SETTLE_S = 0.5          # after attach/detach, so start-up and teardown stay out of the workload
 COST_RATIO_LIMIT = 1.5  # slatrace ns per scheduler event / runqlat's
 STARTUP_LIMIT_S = 3.0
-MEMORY_LIMIT_64 = 64 * mapmem.MIB
 REQUIRED = ("hackbench", "perf", "bpftool", RUNQLAT)
+SECTIONS = ("cost", "scale")
+PLOTS_DIR = ROOT / "docs" / "bench"
 
 
 class Progress:
@@ -73,6 +78,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="update BENCHMARKS.md (the default, except with --quick)")
     md.add_argument("--no-write-md", dest="write_md", action="store_false")
     p.add_argument("--check-targets", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="comma-separated: cost (against runqlat), scale (many services, churn); default all")
+    p.add_argument("--scale-services", default=None, metavar="N,N,...",
+                   help="service counts of the scale section (default 10,100,1000, --quick 10,100)")
+    p.add_argument("--scale-seconds", type=float, default=None,
+                   help="measured window per service count (default 30, --quick 10)")
+    p.add_argument("--churn-seconds", type=float, default=None,
+                   help="how long the churn creates cgroups, 0 to skip it (default 60, --quick 15)")
+    p.add_argument("--scale-load", type=float, default=1.2, metavar="CPUS",
+                   help="CPUs the scale workload asks for in total (default %(default)s)")
     args = p.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     args.hackbench_loops = args.hackbench_loops or (400 if args.quick else 1000)
@@ -80,16 +95,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.write_md = (not args.quick) if args.write_md is None else args.write_md
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = [x for x in args.sections if x not in SECTIONS]
+    if unknown or not args.sections:
+        p.error(f"--sections: expected some of {', '.join(SECTIONS)}, got {', '.join(unknown) or 'nothing'}")
+    try:
+        args.scale_services = [int(x) for x in (args.scale_services or ("10,100" if args.quick else
+                                                                       "10,100,1000")).split(",") if x]
+    except ValueError:
+        p.error("--scale-services: expected whole numbers separated by commas, e.g. 10,100,1000")
+    if any(n < 1 or n > 5000 for n in args.scale_services):
+        p.error("--scale-services: each count must be between 1 and 5000")
+    args.scale_seconds = args.scale_seconds if args.scale_seconds is not None else (10.0 if args.quick else 30.0)
+    args.churn_seconds = args.churn_seconds if args.churn_seconds is not None else (15.0 if args.quick else 60.0)
+    if args.scale_seconds <= 0 or args.churn_seconds < 0 or args.scale_load <= 0:
+        p.error("--scale-seconds and --scale-load must be positive, --churn-seconds at least 0")
     return args
 
 
-def preflight() -> None:
+def preflight(sections: list[str]) -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench: run as root (loading BPF and kernel.bpf_stats_enabled need it): sudo make bench")
-    missing = [t for t in REQUIRED if shutil.which(t) is None]
+    required = REQUIRED if "cost" in sections else ("bpftool",)
+    if "scale" in sections:
+        required += ("cc",)
+    missing = [t for t in required if shutil.which(t) is None]
     if missing:
         raise SystemExit(f"bench: {', '.join(missing)} not found: run 'make setup-test' (installs rt-tests, "
-                         "linux-perf, bpftool, bpfcc-tools)")
+                         "linux-perf, bpftool, bpfcc-tools, gcc)")
     if not bpfstats.BPF_STATS.exists():
         raise SystemExit(f"bench: {bpfstats.BPF_STATS} is missing: this kernel cannot report BPF program costs")
 
@@ -116,7 +149,7 @@ def machine(argv: list[str]) -> dict[str, Any]:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "kernel": platform.release(),
         "nproc": os.cpu_count(),
-        "possible_cpus": possible_cpus(),
+        "possible_cpus": mapmem.possible_cpus(),
         "commit": commit,
         "bpf_source_sha256": hashlib.sha256(src.read_bytes()).hexdigest()[:12] if src.exists() else "missing",
         "command": command_line(argv),
@@ -131,15 +164,6 @@ def dirty_note(paths: list[str]) -> str:
     others = len(paths) - len(bpf)
     parts = bpf + ([f"{others} file(s) under agent/"] if others else [])
     return " + uncommitted " + ", ".join(parts)
-
-
-def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:
-    """Per-CPU maps are sized by possible, not online, CPUs. "0-1,4-7" -> 6."""
-    n = 0
-    for part in path.read_text().strip().split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
 
 
 def counters_json(c: dict[str, Counter]) -> dict[str, dict[str, int]]:
@@ -307,17 +331,6 @@ def throughput(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, A
     return out
 
 
-def memory(maps: list[mapmem.MapInfo], cpus_here: int) -> dict[str, Any]:
-    rows = []
-    for m in maps:
-        rows.append({"name": m.name, "type": m.type, "max_entries": m.max_entries, "key_size": m.key_size,
-                     "value_size": m.value_size, "memlock": m.memlock,
-                     "bytes_here": mapmem.map_bytes(m, cpus_here), "bytes_64": mapmem.map_bytes(m, 64)})
-    return {"maps": rows, "cpus_here": cpus_here,
-            "bytes_here": sum(r["bytes_here"] for r in rows), "memlock_here": sum(r["memlock"] for r in rows),
-            "bytes_64": sum(r["bytes_64"] for r in rows), "limit_64": MEMORY_LIMIT_64}
-
-
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     s = res["together"]["summary"].get("all", {})
@@ -343,15 +356,41 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     mem = res["memory"].get("bytes_64")
     out.append({"name": "BPF map memory on a 64-CPU host (formula)",
                 "measured": report._num(mem / mapmem.MIB if mem else None, "{:.1f} MiB"),
-                "limit": "≤ 64 MiB", "value": mem, "pass": None if not mem else mem <= MEMORY_LIMIT_64})
+                "limit": "≤ 64 MiB", "value": mem, "pass": None if not mem else mem <= mapmem.MEMORY_LIMIT_64})
     return out
 
 
 def run(args: argparse.Namespace, argv: list[str], progress: Progress) -> dict[str, Any]:
+    res: dict[str, Any] = {"machine": machine(argv), "sections": args.sections}
+    if "cost" in args.sections:
+        res.update(run_cost(args, res["machine"]["possible_cpus"], progress))
+    if "scale" in args.sections:
+        res["scale"] = run_scale(args, progress)
+    res["elapsed_s"] = progress.elapsed()
+    return res
+
+
+def run_scale(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+    logdir = Path(tempfile.mkdtemp(prefix="slatrace-bench-scale-"))
+    ok = False
+    try:
+        pts = scale.points(args.scale_services, args.scale_seconds, args.churn_seconds, warmup_s=10.0)
+        out = scale.run(pts, logdir, args.scale_load, sample_s=5.0, progress=progress)
+        ok = True
+    finally:
+        if ok:
+            shutil.rmtree(logdir, ignore_errors=True)
+        else:
+            print(f"bench: the agent's logs are kept in {logdir}", file=sys.stderr)
+    progress("scale section done; no agent, worker or cgroup left")
+    return out
+
+
+def run_cost(args: argparse.Namespace, possible: int, progress: Progress) -> dict[str, Any]:
     stats = BpfStatsSwitch()
     logdir = Path(tempfile.mkdtemp(prefix="slatrace-bench-"))
     bench = Bench(args, stats, logdir, progress)
-    res: dict[str, Any] = {"machine": machine(argv)}
+    res: dict[str, Any] = {}
     ok = False
     stats.enable()
     try:
@@ -389,10 +428,9 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress) -> dict[s
         "slatrace": {k: spread([r.get(k) for r in sla]) for k in ("ready_s", "attach_s", "rss_bytes", "uss_bytes",
                                                                    "poll_s", "cpu_s")},
         "runqlat": {k: spread([r.get(k) for r in rq]) for k in ("ready_s", "cpu_s")},
-        "memory": memory(together["maps"], res["machine"]["possible_cpus"]),
+        "memory": mapmem.summary(together["maps"], possible),
         "notes": bench.notes + ([f"kernel.bpf_stats_enabled was turned off {stats.reasserted} time(s) during the "
                                  "run by another process and turned back on"] if stats.reasserted else []),
-        "elapsed_s": progress.elapsed(),
     })
     res["targets"] = targets(res)
     return res
@@ -401,7 +439,7 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    preflight()
+    preflight(args.sections)
     progress = Progress()
 
     def on_term(signum: int, frame: object) -> None:
@@ -422,14 +460,25 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"bench-{stamp}.json"
     path.write_text(json.dumps(res, indent=2, sort_keys=False) + "\n")
-    md = report.render(res)
     print()
-    print(md)
+    if "cost" in args.sections:
+        md = report.render(res)
+        print(md)
+        if args.write_md:
+            report.update_markdown(ROOT / "BENCHMARKS.md", md)
+    if "scale" in args.sections:
+        # --quick runs leave the committed plots alone, like the Markdown
+        plot_dir = PLOTS_DIR if args.write_md else out_dir / f"plots-{stamp}"
+        images = plots.scale(res["scale"], plot_dir)
+        md = report.render_scale(res, [p.relative_to(ROOT).as_posix() for p in images])
+        print(md)
+        if args.write_md:
+            report.update_markdown(ROOT / "BENCHMARKS.md", md, report.SCALE_BEGIN, report.SCALE_END, "Scale results")
     print(f"raw results: {path.relative_to(ROOT)}")
     if args.write_md:
-        report.update_markdown(ROOT / "BENCHMARKS.md", md)
         print("BENCHMARKS.md updated")
-    missed = [t["name"] for t in res["targets"] if t["pass"] is False]
+    missed = [t["name"] for t in res.get("targets", []) + res.get("scale", {}).get("targets", [])
+              if t["pass"] is False]
     if missed:
         print("targets missed: " + "; ".join(missed))
     return 1 if missed and args.check_targets else 0

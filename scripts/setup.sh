@@ -73,7 +73,9 @@ setup_host() {
     # Debian's BCC (the PyPI package called "bcc" is an unrelated library).
     apt_install python3-bpfcc python3-venv python3-pip ca-certificates
     if [ "${SLATRACE_SETUP_TEST:-0}" = 1 ]; then
-        apt_install bpfcc-tools stress-ng rt-tests linux-perf bpftool prometheus util-linux libcap2-bin
+        # gcc + libc6-dev: the scale tests and bench build a tiny C worker at run time
+        apt_install bpfcc-tools stress-ng rt-tests linux-perf bpftool prometheus util-linux libcap2-bin \
+            gcc libc6-dev
     fi
 
     if [ "$image" = 1 ]; then

@@ -89,10 +89,18 @@ def remove_stale_cgroups(mount: Path | None = None) -> list[Path]:
         m = _OWNED_NAME.match(d.name)
         if not m or pid_alive(int(m[1])):
             continue  # not one of ours, or its run is still going
-        _kill_all(d)
-        rmdir_when_free(d)
+        remove_tree(d)
         removed.append(d)
     return removed
+
+
+def remove_tree(top: Path) -> None:
+    """Kill everything in a cgroup and its descendants, then remove them all,
+    deepest first (a cgroup with children cannot be removed)."""
+    dirs = [top] + [Path(root) / name for root, names, _ in os.walk(top) for name in names]
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        _kill_all(d)
+        rmdir_when_free(d)
 
 
 class TestCgroup:

@@ -1,0 +1,121 @@
+"""PNG plots of the scale section, for BENCHMARKS.md (matplotlib, no display)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MAPS = ("hists", "pairs", "holders", "cgroups")
+
+
+def _pyplot():
+    import matplotlib  # noqa: PLC0415  (only the bench plots; the agent never imports it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def scale(doc: dict[str, Any], outdir: Path) -> list[Path]:
+    """scale.png (cost against the number of services) and churn.png (maps
+    over time under churn); returns the files written."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    services = [p for p in doc["points"] if p["kind"] == "services"]
+    if services:
+        written.append(_services(services, doc["settings"], outdir / "scale.png"))
+    for p in doc["points"]:
+        if p["kind"] == "churn":
+            written.append(_churn(p, outdir / "churn.png"))
+    return written
+
+
+def _services(points: list[dict[str, Any]], settings: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    n = [p["services"] for p in points]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+
+    a = ax[0][0]
+    a.plot(n, [p["cpu_pct_loop"] for p in points], "o-", label="collection loop")
+    a.plot(n, [p["cpu_pct_prometheus"] for p in points], "s--",
+           label=f"with a scrape every {settings['prometheus_scrape_s']:.0f} s")
+    a.axhline(5, color="grey", lw=0.8, ls=":", label="target 5 %")
+    a.set_ylabel("agent CPU, % of a core")
+    a.legend(fontsize=8)
+
+    a = ax[0][1]
+    a.plot(n, [_ms(p["poll_s"]["median"]) for p in points], "o-", label="median")
+    a.plot(n, [_ms(p["poll_s"]["max"]) for p in points], "s--", label="max")
+    a.axhline(100, color="grey", lw=0.8, ls=":", label="target 100 ms")
+    a.set_ylabel("poll duration, ms")
+    a.legend(fontsize=8)
+
+    a = ax[1][0]
+    a.plot(n, [(p["metrics_bytes"]["median"] or 0) / 1e6 for p in points], "o-", label="/metrics MB")
+    a.set_ylabel("/metrics size, MB")
+    b = a.twinx()
+    b.plot(n, [_ms(p["scrape_s"]["median"]) for p in points], "s--", color="tab:red", label="scrape ms")
+    b.set_ylabel("scrape time, ms", color="tab:red")
+    a.legend(loc="upper left", fontsize=8)
+
+    a = ax[1][1]
+    for name in MAPS:
+        a.plot(n, [100.0 * p["entries"].get(name, 0) / max(1, p["max_entries"].get(name, 1)) for p in points],
+               "o-", label=name)
+    a.set_ylabel("map entries, % of max_entries")
+    b = a.twinx()
+    b.bar(n, [sum(p["map_errors_window"].values()) for p in points], width=[x * 0.3 for x in n],
+          alpha=0.25, color="tab:red")
+    b.set_ylabel("map errors during the window", color="tab:red")
+    a.legend(fontsize=8, loc="upper left")
+
+    for a in (ax[0][0], ax[0][1], ax[1][0], ax[1][1]):
+        a.set_xscale("log")
+        a.set_xlabel("busy services (one cgroup and worker each)")
+        a.grid(alpha=0.3)
+    fig.suptitle("slatrace beside N busy services")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _churn(point: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    samples = point["samples"]
+    t = [s["t"] for s in samples]
+    fig, ax = plt.subplots(1, 3, figsize=(14, 4.2))
+
+    a = ax[0]
+    for name in MAPS:
+        a.plot(t, [s["entries"].get(name, 0) for s in samples], "-", label=name)
+    a.plot(t, [sum(s["dead_entries"].values()) for s in samples], "k--", label="all maps: naming removed cgroups")
+    a.set_ylabel("map entries")
+    a.legend(fontsize=8)
+
+    a = ax[1]
+    base = samples[0]["map_errors"]
+    for name in sorted({k for s in samples for k in s["map_errors"]}):
+        a.plot(t, [s["map_errors"].get(name, 0) - base.get(name, 0) for s in samples], "-", label=name)
+    a.set_ylabel("map errors since the window began")
+    a.legend(fontsize=8)
+
+    a = ax[2]
+    a.plot(t, [_ms(s["poll_s"]) for s in samples], "o-", label="poll")
+    a.plot(t, [s["scrape_s"] * 1e3 for s in samples], "s--", label="/metrics scrape")
+    a.set_ylabel("ms")
+    a.legend(fontsize=8)
+
+    for a in ax:
+        a.set_xlabel("seconds into the measured window")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"slatrace under {point['label']} ({point['churn']['created']} cgroups created and removed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _ms(v: float | None) -> float:
+    return float("nan") if v is None else v * 1e3
