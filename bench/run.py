@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="measured window per service count (default 30, --quick 10)")
     p.add_argument("--churn-seconds", type=float, default=None,
                    help="how long the churn creates cgroups, 0 to skip it (default 60, --quick 15)")
-    p.add_argument("--scale-load", type=float, default=1.2, metavar="CPUS",
+    p.add_argument("--scale-load", type=float, default=0.6, metavar="CPUS",
                    help="CPUs the scale workload asks for in total (default %(default)s)")
     args = p.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)

@@ -41,7 +41,6 @@ PROMETHEUS_SCRAPE_S = 15.0   # the cadence the "with scrapes" CPU figure assumes
 CHURN_RATE = 20.0            # new cgroups a second
 CHURN_LIFETIME = 5.0         # seconds each one lives
 WORK_US = 200.0              # compute per round of every worker
-KEYED_MAPS = ("hists", "pairs", "holders", "cgroups", "tasks")
 
 # Targets for a real node (the agent's design goals at 1,000 services and churn).
 POLL_LIMIT_S = 0.100
@@ -145,7 +144,8 @@ def measure(point: Point, worker: Path, logdir: Path, load_cpus: float, sample_s
         duty = Duty.for_load(point.services, load_cpus, WORK_US)
         total = point.warmup_s + point.window_s
         if point.kind == "services":
-            workload: Services | Churn = Services(point.services, duty, seconds=total + 60, worker=worker)
+            # the workers outlive any slow sampling; they are killed on exit anyway
+            workload: Services | Churn = Services(point.services, duty, seconds=total + 600, worker=worker)
         else:
             workload = Churn(CHURN_RATE, CHURN_LIFETIME, total, duty, worker=worker)
         t_start = time.monotonic()

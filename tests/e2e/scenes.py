@@ -7,18 +7,24 @@ this machine, each one a service of its own.
   waits must rank heavy first, light second, both present.
 - quota: one busy loop under its own CPU quota (cgroup v2 cpu.max where the cpu
   controller is on v2, else the v1 cpu hierarchy's cpu.cfs_quota_us).
+- victim_beside_hogs: a victim that sleeps ~1 ms and works a little, beside two
+  pinned busy loops per CPU, every raw sched event recorded through tracefs:
+  the agent's record of the victim against the exact reference.
 """
 
 from __future__ import annotations
 
 import contextlib
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agent.throttle import find_cpu_hierarchy
-from tests.support.workload import TestCgroup, hog_argv, victim_argv
+from tests.support.agent import Agent
+from tests.support.tracefs import Reference, TraceRecorder, reference
+from tests.support.workload import Schedstat, TestCgroup, hog_argv, read_schedstat, victim_argv, wait_zombie
 
 HEAVY_HOGS = 4
 LIGHT_NICE = 3
@@ -92,3 +98,30 @@ def quota(service: TestCgroup, percent: int) -> Iterator[QuotaCgroup]:
                 break
             except OSError:
                 time.sleep(0.05)
+
+
+@dataclass
+class VictimRun:
+    record: dict                   # the agent's attribution record of the victim
+    reference: Reference           # exact, from the raw tracefs events of its threads
+    schedstat: dict[int, Schedstat]
+    hog_tids: set[int]
+
+
+def victim_beside_hogs(agent: Agent, noisy: TestCgroup, victim_cg: TestCgroup, service: str, seconds: float,
+                       work_ms: float, interval: float) -> VictimRun:
+    """Four pinned busy loops in `noisy` (two per CPU), then a victim in
+    `victim_cg` recorded through tracefs over its whole life; `service` is the
+    victim's name in the agent."""
+    for i in range(4):
+        noisy.spawn(hog_argv(cpu=i % 2))
+    time.sleep(0.3)
+    hog_tids = set(noisy.tids())
+    with TraceRecorder() as rec:
+        victim = victim_cg.spawn(victim_argv(seconds, sleep_ms=1.0, work_ms=work_ms))
+        wait_zombie(victim.pid, timeout=seconds + 30)
+        stat = read_schedstat(victim.pid)
+    assert victim.wait() == 0
+    time.sleep(2.4 * interval)  # two more intervals: the victim's last waits are collected
+    [record] = agent.get_json(f"/api/v1/attribution?service={service}&since=600")["attribution"]
+    return VictimRun(record, reference(rec.events, stat.keys()), stat, hog_tids)

@@ -5,14 +5,12 @@ these VMs a few percent of context switches are never traced)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.e2e.scenes import victim_beside_hogs
 from tests.support.agent import Agent
-from tests.support.tracefs import TraceRecorder, percentile, reference
-from tests.support.workload import (TestCgroup, hog_argv, read_schedstat, victim_argv,
-                                    wait_zombie)
+from tests.support.tracefs import percentile
+from tests.support.workload import TestCgroup
 
 pytestmark = pytest.mark.e2e
 
@@ -30,18 +28,8 @@ def _run_victim(tmp_path, work_ms: float):
             f"  - name: victim\n    cgroup: \"{victim_cg.path}\"\n"
         )
         with Agent(config=config, interval=0.5) as agent:
-            for i in range(4):
-                noisy.spawn(hog_argv(cpu=i % 2))
-            time.sleep(0.3)
-            hog_tids = set(noisy.tids())
-            with TraceRecorder() as rec:
-                victim = victim_cg.spawn(victim_argv(VICTIM_SECONDS, sleep_ms=1.0, work_ms=work_ms))
-                wait_zombie(victim.pid, timeout=VICTIM_SECONDS + 30)
-                stat = read_schedstat(victim.pid)
-            assert victim.wait() == 0
-            time.sleep(1.2)  # two more intervals: the victim's last waits are collected
-            [record] = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
-    return record, reference(rec.events, stat.keys()), stat, hog_tids
+            run = victim_beside_hogs(agent, noisy, victim_cg, "victim", VICTIM_SECONDS, work_ms, interval=0.5)
+    return run.record, run.reference, run.schedstat, run.hog_tids
 
 
 def _seconds(waits) -> float:

@@ -90,7 +90,10 @@ class _Tree:
         return "/" + str((self.dir / child).relative_to(self.mount))
 
     def start(self, child: str, duty: Duty, seconds: float) -> int:
-        """mkdir a child and start one worker in it; returns the cgroup id."""
+        """mkdir a child and start one worker in it; returns the cgroup id.
+
+        The worker's PR_SET_PDEATHSIG fires when the *thread* that started it
+        ends: the churn thread outlives every worker it starts."""
         d = self.dir / child
         d.mkdir()
         self._procs[child] = subprocess.Popen(
