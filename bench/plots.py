@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-MAPS = ("hists", "pairs", "holders", "cgroups")
+NOT_PER_CGROUP = ("tasks", "watched")   # keyed by tid; the configured watch list
+
+
+def _maps(points: list[dict[str, Any]]) -> list[str]:
+    """The per-cgroup hash maps the agent had, in the order first seen."""
+    return [m for m in dict.fromkeys(m for p in points for m in p["entries"]) if m not in NOT_PER_CGROUP]
 
 
 def _pyplot():
@@ -60,7 +65,7 @@ def _services(points: list[dict[str, Any]], settings: dict[str, Any], path: Path
     a.legend(loc="upper left", fontsize=8)
 
     a = ax[1][1]
-    for name in MAPS:
+    for name in _maps(points):
         a.plot(n, [100.0 * p["entries"].get(name, 0) / max(1, p["max_entries"].get(name, 1)) for p in points],
                "o-", label=name)
     a.set_ylabel("map entries, % of max_entries")
@@ -88,7 +93,7 @@ def _churn(point: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(1, 3, figsize=(14, 4.2))
 
     a = ax[0]
-    for name in MAPS:
+    for name in _maps(samples):
         a.plot(t, [s["entries"].get(name, 0) for s in samples], "-", label=name)
     a.plot(t, [sum(s["dead_entries"].values()) for s in samples], "k--", label="all maps: naming removed cgroups")
     a.set_ylabel("map entries")

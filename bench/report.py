@@ -11,7 +11,7 @@ BEGIN = "<!-- BEGIN bench results: written by `make bench`; edits inside are ove
 END = "<!-- END bench results -->"
 SCALE_BEGIN = "<!-- BEGIN scale results: written by `make bench`; edits inside are overwritten -->"
 SCALE_END = "<!-- END scale results -->"
-MAP_COLUMNS = ("hists", "pairs", "holders", "cgroups", "tasks")
+
 MIB = 1 << 20
 
 
@@ -97,17 +97,28 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
                    f"{p['rss_mib']:.0f} / {p['peak_rss_mib']:.0f} | {_ms(p['poll_s'])} | "
                    f"{_num(mb / 1e6 if mb else None, '{:.2f}')} | {_num(p['series']['median'], '{:.0f}')} | "
                    f"{_ms(p['scrape_s'])} | {_num(p['services_tracked'], '{:.0f}')} |")
+    columns = [c for c in dict.fromkeys(c for p in sc["points"] for c in p["entries"]) if c != "watched"]
     out += ["", "### BPF maps at the end of the window", "",
-            "| point | " + " | ".join(f"{c} entries / max" for c in MAP_COLUMNS) +
+            "| point | " + " | ".join(f"{c} entries / max" for c in columns) +
             " | entries naming removed cgroups | map errors during the window |",
-            "|---|" + "---:|" * (len(MAP_COLUMNS) + 2)]
+            "|---|" + "---:|" * (len(columns) + 2)]
     for p in sc["points"]:
-        cells = [f"{p['entries'].get(c, 0)} / {p['max_entries'].get(c, 0)}" for c in MAP_COLUMNS]
+        cells = [f"{p['entries'].get(c, 0)} / {p['max_entries'].get(c, 0)}" for c in columns]
         dead = (f"{sum(p['dead_entries'].values())} (of {p['dead_cgroups']} removed cgroups)"
                 if p["kind"] == "churn" else "–")
         errs = {k: v for k, v in p["map_errors_window"].items() if v}
         err_cell = ", ".join(f"{k} {v:.0f}" for k, v in sorted(errs.items())) or "0"
         out.append(f"| {p['label']} | " + " | ".join(cells) + f" | {dead} | {err_cell} |")
+    for p in sc["points"]:
+        if p.get("churn"):
+            c = p["churn"]
+            out += ["", f"{p['label']}: {c['created']} cgroups created and {c['removed']} removed, at most "
+                    f"{c['max_live']} alive at once (more than rate × lifetime when the host lagged behind)."]
+        errs = p.get("agent_log_errors") or {}
+        if errs.get("error_lines") or errs.get("tracebacks"):
+            last = [b.splitlines()[-1] for b in errs.get("first", [])]
+            out += ["", f"Note: during \"{p['label']}\" the agent logged {errs['error_lines']} error line(s) and "
+                    f"{errs['tracebacks']} traceback(s)" + (f", e.g. `{last[0]}`" if last else "") + "."]
     mem = sc["points"][0]["memory"] if sc["points"] else None
     if mem:
         out += ["", f"BPF map memory as loaded: {mem['bytes_here'] / MIB:.1f} MiB by the formula at "

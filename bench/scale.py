@@ -163,11 +163,25 @@ def measure(point: Point, worker: Path, logdir: Path, load_cpus: float, sample_s
                 alive = workload.alive()
                 if alive < point.services:
                     raise RuntimeError(f"only {alive} of {point.services} workers still ran at the end")
-        log_errors = [line for line in agent.log.read_text(errors="replace").splitlines()
-                      if " ERROR " in line or "Traceback" in line][:5]
+        log_errors = agent_errors(agent.log.read_text(errors="replace"))
     finally:
         agent.stop()
     return summarize(point, samples, maps, churn_doc, duty, log_errors)
+
+
+def agent_errors(log: str, keep: int = 3) -> dict[str, Any]:
+    """How many error lines and tracebacks the agent logged; the first few
+    tracebacks in full (their last line names the exception)."""
+    lines = log.splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback") and len(blocks) < keep:
+            end = i + 1
+            while end < len(lines) and (lines[end].startswith(" ") or not lines[end].strip()):
+                end += 1
+            blocks.append("\n".join(lines[i:end + 1]))
+    return {"error_lines": sum(1 for line in lines if " ERROR " in line),
+            "tracebacks": sum(1 for line in lines if line.startswith("Traceback")), "first": blocks}
 
 
 def sample_window(agent: Slatrace, workload: Services | Churn, point: Point, sample_s: float,
@@ -211,7 +225,7 @@ def _spread(vals: list[float]) -> dict[str, float | None]:
 
 
 def summarize(point: Point, samples: list[dict[str, Any]], maps: list[mapmem.MapInfo],
-              churn: dict[str, int] | None, duty: Duty, log_errors: list[str]) -> dict[str, Any]:
+              churn: dict[str, int] | None, duty: Duty, log_errors: dict[str, Any]) -> dict[str, Any]:
     first, last = samples[0], samples[-1]
     wall = last["t"] - first["t"]
     ticks = last["cpu_ticks"] - first["cpu_ticks"]

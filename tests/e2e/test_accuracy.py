@@ -29,6 +29,7 @@ def _run_victim(tmp_path, work_ms: float):
         )
         with Agent(config=config, interval=0.5) as agent:
             run = victim_beside_hogs(agent, noisy, victim_cg, "victim", VICTIM_SECONDS, work_ms, interval=0.5)
+    assert run.record is not None, "the agent has no record of the victim"
     return run.record, run.reference, run.schedstat, run.hog_tids
 
 

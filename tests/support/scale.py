@@ -104,13 +104,20 @@ class _Tree:
     def stop(self, child: str) -> None:
         """Kill the child's worker, reap it, remove the child cgroup."""
         d = self.dir / child
-        _kill_all(d)
         p = self._procs.pop(child, None)
         if p is not None:
+            # kill and reap first: the cgroup is empty once the worker exited,
+            # without _kill_all's polling (the churn removes dozens a second)
+            kill = d / "cgroup.kill"
+            if kill.exists():
+                kill.write_text("1")
+            else:
+                p.kill()
             p.wait(timeout=10)
             if p.returncode == 126:
                 raise RuntimeError(f"a worker could not join {d}: {p.stderr.read().decode().strip()}")
             p.stderr.close()
+        _kill_all(d)   # anything else that got in; returns at once when empty
         rmdir_when_free(d)
 
     def alive(self) -> int:
