@@ -141,7 +141,9 @@ def _assert_within(run: VictimRun, label: str) -> None:
     if run.record is None:
         print(f"\n{label}: the agent has no record of the victim at all")
     print(f"\n{label}: " + ", ".join(f"{k} agent {a:.6g} / tracefs {r:.6g}" for k, (a, r) in figures.items()))
-    assert figures["count"][1] > 1000, f"{label}: the victim hardly ran: the workload is broken"
+    assert figures["count"][1] > 1000, (f"{label}: the victim hardly ran ({figures['count'][1]} waits, load "
+                                        f"average {open('/proc/loadavg').read().split()[0]}): the workload or "
+                                        "the host is at fault")
     off = {k: (a, r) for k, (a, r) in figures.items() if a != pytest.approx(r, rel=REL)}
     assert not off, f"{label}: off the tracefs reference by more than {REL:.0%}: " + \
         ", ".join(f"{k} agent {a:.6g} vs {r:.6g}" for k, (a, r) in off.items())
