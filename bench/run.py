@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(args, argv, progress)
     except KeyboardInterrupt:
-        print("bench: interrupted; tools stopped, kernel.bpf_stats_enabled restored", file=sys.stderr)
+        print("bench: interrupted; what it started is stopped and removed, kernel.bpf_stats_enabled restored",
+              file=sys.stderr)
         return 130
     except RuntimeError as e:  # a tool or workload failed: one message, the cleanup already ran
         print(f"bench: {e}", file=sys.stderr)

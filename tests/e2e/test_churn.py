@@ -122,15 +122,14 @@ def scene(tmp_path_factory) -> Scene:
 
 
 def _compare(run: VictimRun) -> dict[str, tuple[float, float]]:
-    """(agent, reference) for each figure the fresh service is judged on; an
-    agent without a record of the service counts as having seen nothing."""
+    """(agent, reference) for each figure the fresh service is judged on, as
+    test_accuracy judges a victim; an agent without a record of the service
+    counts as having seen nothing."""
     waits = run.reference.runq_waits_ns
-    runq = run.record["runq"] if run.record else {"count": 0, "wait_seconds": 0.0, "p50": 0.0, "p95": 0.0,
-                                                 "p99": 0.0}
+    runq = run.record["runq"] if run.record else {"count": 0, "wait_seconds": 0.0, "p95": 0.0, "p99": 0.0}
     return {
         "count": (runq["count"], len(waits)),
         "wait_seconds": (runq["wait_seconds"], run.reference.total_wait_s),
-        "p50": (runq["p50"], percentile(waits, 0.50) / 1e9),
         "p95": (runq["p95"], percentile(waits, 0.95) / 1e9),
         "p99": (runq["p99"], percentile(waits, 0.99) / 1e9),
     }
@@ -140,6 +139,11 @@ def _assert_within(run: VictimRun, label: str) -> None:
     figures = _compare(run)
     if run.record is None:
         print(f"\n{label}: the agent has no record of the victim at all")
+    else:  # not judged, shown: the median sits where slots are narrowest in absolute terms
+        runq = run.record["runq"]
+        print(f"\n{label}: p50 agent {runq.get('p50', 0):.6g} / tracefs "
+              f"{percentile(run.reference.runq_waits_ns, 0.5) / 1e9:.6g}; coverage {runq.get('coverage', 'n/a')}, "
+              f"lost {runq.get('lost', 'n/a')}, untraced {run.record.get('untraced', 'n/a')}")
     print(f"\n{label}: " + ", ".join(f"{k} agent {a:.6g} / tracefs {r:.6g}" for k, (a, r) in figures.items()))
     assert figures["count"][1] > 1000, (f"{label}: the victim hardly ran ({figures['count'][1]} waits, load "
                                         f"average {open('/proc/loadavg').read().split()[0]}): the workload or "

@@ -125,15 +125,20 @@ class _Tree:
 
     def close(self) -> None:
         try:
-            if self.dir.exists():
-                remove_tree(self.dir)
-        finally:
+            # the whole subtree at once (cgroup.kill), then reap: removing
+            # the children one by one then finds them empty
+            kill = self.dir / "cgroup.kill"
+            if kill.exists():
+                kill.write_text("1")
             for p in self._procs.values():
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=10)
                 p.stderr.close()
             self._procs.clear()
+        finally:
+            if self.dir.exists():
+                remove_tree(self.dir)
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
