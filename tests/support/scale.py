@@ -17,6 +17,7 @@ worker is killed and every cgroup removed.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -29,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from tests.support import rmdir_when_free
-from tests.support.workload import PREFIX, _kill_all, _require_mount, remove_stale_cgroups, remove_tree
+from tests.support.workload import PREFIX, _require_mount, remove_stale_cgroups, remove_tree
 
 WORKER_SOURCE = Path(__file__).with_name("busy_worker.c")
 
@@ -101,24 +101,37 @@ class _Tree:
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         return d.stat().st_ino
 
-    def stop(self, child: str) -> None:
-        """Kill the child's worker, reap it, remove the child cgroup."""
-        d = self.dir / child
-        p = self._procs.pop(child, None)
-        if p is not None:
-            # kill and reap first: the cgroup is empty once the worker exited,
-            # without _kill_all's polling (the churn removes dozens a second)
-            kill = d / "cgroup.kill"
-            if kill.exists():
-                kill.write_text("1")
-            else:
+    def kill(self, child: str) -> None:
+        """SIGKILL everything in the child cgroup (cgroup.kill); no waiting."""
+        kill = self.dir / child / "cgroup.kill"
+        if kill.exists():
+            kill.write_text("1")
+        else:
+            p = self._procs.get(child)
+            if p is not None and p.poll() is None:
                 p.kill()
-            p.wait(timeout=10)
-            if p.returncode == 126:
-                raise RuntimeError(f"a worker could not join {d}: {p.stderr.read().decode().strip()}")
+
+    def try_remove(self, child: str) -> bool:
+        """Reap a killed child's worker and remove its cgroup, if it is gone
+        already; False when it is still exiting (try again later)."""
+        d = self.dir / child
+        p = self._procs.get(child)
+        if p is not None:
+            if p.poll() is None:
+                return False
+            del self._procs[child]
+            err = p.stderr.read().decode(errors="replace").strip()
             p.stderr.close()
-        _kill_all(d)   # anything else that got in; returns at once when empty
-        rmdir_when_free(d)
+            if p.returncode == 126:
+                raise RuntimeError(f"a worker could not join {d}: {err}")
+        try:
+            d.rmdir()
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            self.kill(child)   # something else got in
+            return False
+        return True
 
     def alive(self) -> int:
         return sum(1 for p in self._procs.values() if p.poll() is None)
@@ -245,7 +258,8 @@ class Churn:
             return frozenset(self.stats.removed_ids)
 
     def _run(self) -> None:
-        live: deque[tuple[float, str]] = deque()   # (removal time, child), in start order
+        live: deque[tuple[float, str]] = deque()   # (kill time, child), in start order
+        dying: list[str] = []                      # killed, not yet removed
         t0 = self.started_at
         end_spawn = t0 + self.duration
         period = 1.0 / self.rate
@@ -256,7 +270,10 @@ class Churn:
                 now = time.monotonic()
                 while live and live[0][0] <= now:
                     _, child = live.popleft()
-                    self._tree.stop(child)
+                    self._tree.kill(child)
+                    dying.append(child)
+                for child in [c for c in dying if self._tree.try_remove(c)]:
+                    dying.remove(child)
                     with self._lock:
                         self.stats.removed_ids.add(self.stats.ids[self._tree.path_of(child)])
                         self.stats.removed += 1
@@ -270,10 +287,10 @@ class Churn:
                     live.append((time.monotonic() + self.lifetime, child))
                     self.stats.max_live = max(self.stats.max_live, len(live))
                     continue
-                if not live and due >= end_spawn:
+                if not live and not dying and due >= end_spawn:
                     break
-                wake = [t for t in (live[0][0] if live else None, due if due < end_spawn else None)
-                        if t is not None]
+                wake = [t for t in (live[0][0] if live else None, due if due < end_spawn else None,
+                                    now + 0.01 if dying else None) if t is not None]
                 self._stop.wait(max(0.0, min(wake) - time.monotonic()))
         except Exception as e:  # reported by join()
             self.stats.errors.append(f"{type(e).__name__}: {e}")
