@@ -75,15 +75,20 @@ class _Tree:
         self.mount = _require_mount()
         self.dir = self.mount / f"{PREFIX}{name}-{os.getpid()}-{secrets.token_hex(3)}"
         self._tmp: Path | None = None
+        self._log = None   # the workers' shared stderr: one fd, not one pipe per worker
         self.worker = worker
         self._procs: dict[str, subprocess.Popen] = {}
 
     def open(self) -> None:
         remove_stale_cgroups(self.mount)
+        self._tmp = Path(tempfile.mkdtemp(prefix="slatrace-worker-"))
+        self._log = open(self._tmp / "workers.log", "wb")
         if self.worker is None:
-            self._tmp = Path(tempfile.mkdtemp(prefix="slatrace-worker-"))
             self.worker = compile_worker(self._tmp)
         self.dir.mkdir()
+
+    def _log_tail(self) -> str:
+        return (self._tmp / "workers.log").read_text(errors="replace").strip()[-500:] if self._tmp else ""
 
     def path_of(self, child: str) -> str:
         """The cgroup path (as the agent names an unconfigured service)."""
@@ -98,7 +103,7 @@ class _Tree:
         d.mkdir()
         self._procs[child] = subprocess.Popen(
             [str(self.worker), f"{duty.work_us:g}", f"{duty.sleep_us:g}", f"{seconds:g}", str(d)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
         return d.stat().st_ino
 
     def kill(self, child: str) -> None:
@@ -120,10 +125,8 @@ class _Tree:
             if p.poll() is None:
                 return False
             del self._procs[child]
-            err = p.stderr.read().decode(errors="replace").strip()
-            p.stderr.close()
             if p.returncode == 126:
-                raise RuntimeError(f"a worker could not join {d}: {err}")
+                raise RuntimeError(f"a worker could not join {d}: {self._log_tail()}")
         try:
             d.rmdir()
         except OSError as e:
@@ -147,11 +150,12 @@ class _Tree:
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=10)
-                p.stderr.close()
             self._procs.clear()
         finally:
             if self.dir.exists():
                 remove_tree(self.dir)
+            if self._log is not None:
+                self._log.close()
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
