@@ -288,7 +288,10 @@ class Churn:
                     with self._lock:
                         self.stats.ids[self._tree.path_of(child)] = cgid
                     self.stats.created += 1
-                    live.append((time.monotonic() + self.lifetime, child))
+                    # killed `lifetime` after it was due, not after it started: a
+                    # driver that fell behind (a busy host) catches up without the
+                    # live set growing beyond rate x lifetime
+                    live.append((due + self.lifetime, child))
                     self.stats.max_live = max(self.stats.max_live, len(live))
                     continue
                 if not live and not dying and due >= end_spawn:
