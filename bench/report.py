@@ -65,6 +65,10 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _load(d: dict[str, float | None] | None) -> str:
+    return "n/a" if not d or d.get("median") is None else f"{d['median']:.0f} / {d['max']:.0f}"
+
+
 def _ms(d: dict[str, float | None]) -> str:
     return "n/a" if d.get("median") is None else f"{d['median'] * 1e3:.0f} / {d['max'] * 1e3:.0f}"
 
@@ -89,14 +93,14 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
     out += ["", "### Agent cost", "",
             f"| point | CPU, % of a core (collection) | CPU with a scrape every {st['prometheus_scrape_s']:.0f} s | "
             "RSS / peak MiB | poll ms (median / max) | /metrics MB | series | scrape ms (median / max) | "
-            "services_tracked |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "services_tracked | host load average (median / max) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sc["points"]:
         mb = p["metrics_bytes"]["median"]
         out.append(f"| {p['label']} | {_num(p['cpu_pct_loop'], '{:.1f}')} | {_num(p['cpu_pct_prometheus'], '{:.1f}')} | "
                    f"{p['rss_mib']:.0f} / {p['peak_rss_mib']:.0f} | {_ms(p['poll_s'])} | "
                    f"{_num(mb / 1e6 if mb else None, '{:.2f}')} | {_num(p['series']['median'], '{:.0f}')} | "
-                   f"{_ms(p['scrape_s'])} | {_num(p['services_tracked'], '{:.0f}')} |")
+                   f"{_ms(p['scrape_s'])} | {_num(p['services_tracked'], '{:.0f}')} | {_load(p.get('loadavg'))} |")
     columns = [c for c in dict.fromkeys(c for p in sc["points"] for c in p["entries"]) if c != "watched"]
     out += ["", "### BPF maps at the end of the window", "",
             "| point | " + " | ".join(f"{c} entries / max" for c in columns) +
@@ -113,7 +117,8 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
         if p.get("churn"):
             c = p["churn"]
             out += ["", f"{p['label']}: {c['created']} cgroups created and {c['removed']} removed, at most "
-                    f"{c['max_live']} alive at once (more than rate × lifetime when the host lagged behind)."]
+                    f"{c['max_live']} alive at once (rate × lifetime: "
+                    f"{st['churn_rate'] * st['churn_lifetime_s']:.0f})."]
         errs = p.get("agent_log_errors") or {}
         if errs.get("error_lines") or errs.get("tracebacks"):
             last = [b.splitlines()[-1] for b in errs.get("first", [])]

@@ -202,7 +202,7 @@ def sample_window(agent: Slatrace, workload: Services | Churn, point: Point, sam
              "rss_kib": rss, "hwm_kib": hwm, "metrics_bytes": sc.bytes, "series": sc.series,
              "scrape_s": sc.seconds, "poll_s": sc.poll_s, "services_tracked": sc.services_tracked,
              "map_errors": sc.map_errors, "entries": entries, "dead_entries": dead_entries,
-             "dead_cgroups": len(dead)}
+             "dead_cgroups": len(dead), "loadavg": float(Path("/proc/loadavg").read_text().split()[0])}
         samples.append(s)
         errs = sum(sc.map_errors.values()) - sum(errors0.values())
         progress(f"{point.label}: t={s['t']:4.0f} s poll {fmt_ms(sc.poll_s)} ms, /metrics "
@@ -250,6 +250,7 @@ def summarize(point: Point, samples: list[dict[str, Any]], maps: list[mapmem.Map
         "series": _spread([s["series"] for s in samples]),
         "scrape_s": _spread([s["scrape_s"] for s in samples]),
         "services_tracked": last["services_tracked"],
+        "loadavg": _spread([s.get("loadavg") for s in samples]),
         "entries": last["entries"], "max_entries": {m.name: m.max_entries for m in maps},
         "dead_entries": last["dead_entries"], "dead_cgroups": last["dead_cgroups"],
         "map_errors_window": errors_window, "map_errors_total": last["map_errors"],
