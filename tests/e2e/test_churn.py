@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from bench import bpfstats
+from bench.scale import parse_exposition
 from tests.e2e.scenes import VictimRun, victim_beside_hogs
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import Agent, http_get
@@ -53,6 +54,8 @@ class Scene:
     entries_after: dict[str, int]
     dead_after: dict[str, int]     # entries naming a removed churn cgroup, after SETTLE
     max_entries: dict[str, int]
+    errors_before: dict[str, float]    # slatrace_bpf_map_errors_total by map, before the churn
+    errors_after: dict[str, float]     # and SETTLE after it
 
 
 def _config(tmp_path) -> str:
@@ -75,6 +78,12 @@ def _entries(pid: int, dead: frozenset[int] = frozenset()) -> tuple[dict[str, in
     return ({m: len(k) for m, k in keys.items()}, {m: bpfstats.keys_naming(k, set(dead)) for m, k in keys.items()})
 
 
+def _map_errors(agent: Agent) -> dict[str, float]:
+    status, body = http_get(agent.url + "/metrics", timeout=30)
+    assert status == 200
+    return parse_exposition(body.decode())[2]
+
+
 def _victim(agent: Agent, phase: str) -> VictimRun:
     with TestCgroup(f"{phase}-noisy") as noisy, TestCgroup(f"{phase}-victim") as victim_cg:
         return victim_beside_hogs(agent, noisy, victim_cg, f"victim-{phase}", VICTIM_SECONDS, work_ms=0.3,
@@ -92,6 +101,7 @@ def scene(tmp_path_factory) -> Scene:
         maps = {m.name: m.max_entries for m in bpfstats.process_maps(agent.proc.pid)}
         before = _victim(agent, "before")
         entries_before, _ = _entries(agent.proc.pid)
+        errors_before = _map_errors(agent)
         peak = dict(entries_before)
         assert {"hists", "cgroups"} <= peak.keys(), f"the agent's maps are not what this test knows: {maps}"
         duty = Duty.for_load(int(CHURN_RATE * CHURN_LIFETIME), CHURN_LOAD_CPUS)
@@ -108,6 +118,7 @@ def scene(tmp_path_factory) -> Scene:
             dead = churn.dead_ids()
         time.sleep(SETTLE)
         entries_after, dead_after = _entries(agent.proc.pid, dead)
+        errors_after = _map_errors(agent)
         after = _victim(agent, "after")
         print(f"\nchurn: {stats.created} cgroups created, {stats.removed} removed, at most {stats.max_live} live, "
               f"in {churn_end - t_churn:.0f} s ({t_churn - t0:.0f} s of agent start and control before, "
@@ -115,7 +126,7 @@ def scene(tmp_path_factory) -> Scene:
               f"map entries before {entries_before}, peak {peak}, {SETTLE:.0f} s after the churn {entries_after}, "
               f"of which naming removed cgroups {dead_after}")
         yield Scene(agent, before, after, stats, churn_dir, churn_end, entries_before, peak, entries_after,
-                    dead_after, maps)
+                    dead_after, maps, errors_before, errors_after)
     log = agent.output()
     print(f"\nthe agent logged {log.count('Traceback')} traceback(s); its last lines:\n" +
           "\n".join(log.splitlines()[-15:]))
@@ -182,6 +193,13 @@ def test_maps_forget_removed_cgroups(scene: Scene) -> None:
         assert scene.entries_after[m] <= 2 * scene.entries_before[m] + 0.01 * scene.max_entries[m], \
             (f"{m}: {scene.entries_after[m]} entries after the churn, {scene.entries_before[m]} before it "
              f"(peak {scene.entries_peak[m]}, max {scene.max_entries[m]})")
+
+
+def test_no_map_full_errors_during_the_churn(scene: Scene) -> None:
+    """The per-cgroup maps (the ones keyed by cgroup ids) never refused an
+    update while 3,000 busy cgroups came and went."""
+    grew = {m: scene.errors_after.get(m, 0.0) - scene.errors_before.get(m, 0.0) for m in scene.entries_before}
+    assert not any(grew.values()), f"slatrace_bpf_map_errors_total rose during the churn: {grew}"
 
 
 def test_dead_services_leave_metrics_after_retention(scene: Scene) -> None:
