@@ -143,13 +143,13 @@ class Slatrace(Tool):
         self.port = port
 
     @classmethod
-    def start(cls, log: Path, extra: tuple[str, ...] = ()) -> "Slatrace":
+    def start(cls, log: Path) -> "Slatrace":
         exe = Path(sys.executable).parent / "slatrace"
         if not exe.exists():
             raise RuntimeError(f"{exe} is missing: run 'make setup' to install slatrace into the venv")
         port = free_port()
         cmd = [str(exe), "run", "--listen", f"127.0.0.1:{port}",
-               "--otlp-grpc-listen", "off", "--otlp-http-listen", "off", *extra]
+               "--otlp-grpc-listen", "off", "--otlp-http-listen", "off"]
         t0 = time.monotonic()
         return cls(spawn(cmd, log), log, t0, port)
 
