@@ -280,8 +280,9 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
 
     def histogram(s: str, hist: Histogram) -> HistogramPoint:
-        p = histogram_point((s,), hist, bounds)
-        return p if bucketed(s) else without_buckets(p)
+        if bucketed(s):
+            return histogram_point((s,), hist, bounds)
+        return HistogramPoint((s,), (), (hist.count,), hist.sum_seconds)
 
     # The series budget (docs/metrics.md): a kind that never happened to a
     # service has no series; culprits are the top few.
