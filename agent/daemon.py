@@ -96,7 +96,8 @@ class Daemon:
         self.config = config
         self.options = options
         self.stop_event = threading.Event()
-        self.store = Store(config.retention, max_services=config.max_services)
+        self.store = Store(config.retention, max_services=config.max_services,
+                           reserved=frozenset(r.name for r in config.services))
         self.registry = CollectorRegistry(auto_describe=False)
         self.poll_seconds = 0.0
         self.polls = 0

@@ -252,16 +252,18 @@ class Store:
     services; if it comes back its counters start again from zero, which
     Prometheus reads as a counter reset. At most max_services names are kept,
     "other" included: the totals of any further name are added to "other".
+    The names in `reserved` (those the config rules give) always have a place.
     """
 
     def __init__(self, retention_s: float, clock: Callable[[], float] = time.time,
-                 max_services: int | None = None) -> None:
+                 max_services: int | None = None, reserved: frozenset[str] = frozenset()) -> None:
         if retention_s <= 0:
             raise ValueError(f"retention must be positive, got {retention_s}")
         if max_services is not None and max_services < 1:
             raise ValueError(f"max_services must be at least 1, got {max_services}")
         self._retention_s = retention_s
         self._max_services = max_services
+        self._reserved = reserved
         self._clock = clock
         self._lock = threading.Lock()          # guards everything readers see
         self._ingest_lock = threading.Lock()   # serialises writers
@@ -456,19 +458,21 @@ class Store:
 
     def _add_totals(self, record: IntervalRecord) -> None:
         """Adds an interval to the totals and forgets services unseen for the retention (lock held)."""
+        others: int | None = None   # unreserved names kept, counted once per interval
         for name, s in record.services.items():
-            key = name if name in self._totals or self._admits() else OTHER_SERVICE
+            key = name
+            if name not in self._totals and self._max_services is not None and name not in self._reserved:
+                if others is None:
+                    others = sum(1 for n in self._totals if n != OTHER_SERVICE and n not in self._reserved)
+                # Places are kept for "other" and every reserved name.
+                if name != OTHER_SERVICE and others < self._max_services - 1 - len(self._reserved):
+                    others += 1
+                else:
+                    key = OTHER_SERVICE
             self._totals.setdefault(key, _ServiceSum()).add_interval(s)
             self._last_seen[key] = record.end
         self._frozen_totals = None
         self._forget(record.end - self._retention_s)
-
-    def _admits(self) -> bool:
-        """Whether one more name fits, keeping a place for "other" (lock held)."""
-        if self._max_services is None:
-            return True
-        named = len(self._totals) - (OTHER_SERVICE in self._totals)
-        return named < self._max_services - 1
 
     def _forget(self, horizon: float) -> None:
         """Drops the totals of services last seen before horizon (lock held)."""

@@ -164,3 +164,16 @@ def test_histograms_glob_gives_buckets_to_matching_services() -> None:
     with_buckets = {s.labels["service"] for s in samples
                     if s.name == "slatrace_runq_latency_seconds_bucket" and s.labels["le"] != "+Inf"}
     assert with_buckets == {f"/svc/{i:04d}" for i in range(10, 20)}
+
+
+def test_reserved_names_keep_their_place_when_the_cap_is_full() -> None:
+    node = SyntheticNode(30, seed=9)
+    ruled = node.name(node.cgid(29))   # seen last, after the cap has filled
+    store = Store(retention_s=900, max_services=5, reserved=frozenset({ruled}))
+    feed(node, store, 1)
+    samples = scrape(store, Sources())
+    count = {s.labels["service"]: s.value for s in samples if s.name == "slatrace_runq_latency_seconds_count"}
+    # Three automatic names, "other" and the reserved one: five.
+    assert len(count) == 5 and ruled in count and "other" in count
+    assert count[ruled] == node.runq_count(29, 1)
+    assert sum(count.values()) == sum(node.runq_count(i, 1) for i in range(30))
