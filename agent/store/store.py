@@ -273,7 +273,10 @@ class Store:
         self._collected = 0
         self._totals: dict[str, _ServiceSum] = {}
         self._last_seen: dict[str, float] = {}   # service -> end of its newest interval
-        self._frozen_totals: Mapping[str, ServiceWindow] | None = _EMPTY
+        # Totals frozen per service, refrozen only for services an interval
+        # changed: on a churning node most kept services are idle until forgotten.
+        self._frozen_totals: dict[str, ServiceWindow] = {}
+        self._changed_totals: set[str] = set()
         self._error_totals: dict[str, int] = {}
         self._programs: Mapping[str, ProgramStats] = _EMPTY
 
@@ -471,7 +474,7 @@ class Store:
                     key = OTHER_SERVICE
             self._totals.setdefault(key, _ServiceSum()).add_interval(s)
             self._last_seen[key] = record.end
-        self._frozen_totals = None
+            self._changed_totals.add(key)
         self._forget(record.end - self._retention_s)
 
     def _forget(self, horizon: float) -> None:
@@ -480,8 +483,8 @@ class Store:
         for name in gone:
             del self._last_seen[name]
             del self._totals[name]
-        if gone:
-            self._frozen_totals = None
+            self._frozen_totals.pop(name, None)
+            self._changed_totals.discard(name)
 
     # Readers.
 
@@ -535,10 +538,11 @@ class Store:
         """Per-service sums since each service was first seen, for the services
         seen within the retention; a service's sums only grow while it is kept."""
         with self._lock:
-            if self._frozen_totals is None:
-                # Frozen lazily: scrapes are rarer than intervals.
-                self._frozen_totals = _freeze_all(self._totals)
-            return dict(self._frozen_totals)
+            # Frozen lazily: scrapes are rarer than intervals.
+            for name in self._changed_totals:
+                self._frozen_totals[name] = self._totals[name].freeze()
+            self._changed_totals.clear()
+            return dict(sorted(self._frozen_totals.items()))
 
     def error_totals(self) -> dict[str, int]:
         """Failed map updates per map since the store started."""

@@ -177,3 +177,26 @@ def test_reserved_names_keep_their_place_when_the_cap_is_full() -> None:
     assert len(count) == 5 and ruled in count and "other" in count
     assert count[ruled] == node.runq_count(29, 1)
     assert sum(count.values()) == sum(node.runq_count(i, 1) for i in range(30))
+
+
+def test_totals_of_a_churning_node_equal_the_merge_of_every_interval() -> None:
+    """Services that each live a few intervals (cgroup churn): the totals,
+    refrozen only for the services an interval changed, equal the merge of all
+    the intervals kept."""
+    node = SyntheticNode(40, seed=10, waits_per_interval=30, stops={i: 2 + i // 2 for i in range(40)})
+    store = Store(retention_s=900)
+    for t in range(25):
+        store.ingest(node.snapshot(t), node.name)
+        if t % 3 == 0:
+            store.totals()   # scrapes in between freeze some services early
+    totals = store.totals()
+    now = node.snapshot(24).wall
+    merged = Store._window(store.records(900, now), None, now).services
+    assert set(totals) == set(merged) == {node.name(node.cgid(i)) for i in range(40)}
+    for name, f in totals.items():
+        m = merged[name]
+        assert (f.runq.count, f.runq.sum_ns, f.iowait.count, f.migrations) == \
+            (m.runq.count, m.runq.sum_ns, m.iowait.count, m.migrations), name
+        assert dict(f.runq.items()) == dict(m.runq.items()), name
+        assert dict(f.preempted_by) == dict(m.preempted_by) and dict(f.waited_behind) == dict(m.waited_behind)
+    assert totals[node.name(node.cgid(39))].runq.count == node.runq_count(39, 24) > 0
