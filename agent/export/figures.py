@@ -116,9 +116,10 @@ class Sources:
     request_sched_delay: service -> per-request run-queue wait, as a log-linear
       Histogram or already bucketed on `bounds` (a HistogramPoint).
     bounds: the classic bucket bounds of every exported histogram.
-    histograms: globs on service names whose histograms carry their buckets;
-      any other service's histograms are exported as _sum, _count and the
-      +Inf bucket only (the series budget).
+    histograms: globs on service names whose histograms carry their buckets
+      and whose every culprit is exported; any other service's histograms are
+      exported as _sum, _count and the +Inf bucket only, and its top culprits
+      (the series budget).
     agent_stats: self-metrics of the daemon's loop, by metric name
       (slatrace_poll_duration_seconds, slatrace_poll_errors).
     """
@@ -291,7 +292,8 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         if f.runq.count:
             points[RUNQ_LATENCY.name].append(histogram(s, f.runq))
             points[RUNQ_WAIT.name].append(Point((s,), f.runq.sum_seconds))
-        keep = top_culprits(f)
+        # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
+        keep = frozenset(f.preempted_by) | frozenset(f.waited_behind) if bucketed(s) else top_culprits(f)
         for by, p in _culprit_items(f.preempted_by, keep):
             points[PREEMPTIONS.name].append(Point((s, by), p.count))
             points[PREEMPTED_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
