@@ -6,6 +6,7 @@ person reading it is an operator at a terminal, not a Python programmer.
 
 from __future__ import annotations
 
+import glob
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 MAX_INTERVAL_S = 60.0
+DEFAULT_MAX_SERVICES = 1000
 
 
 class ConfigError(Exception):
@@ -62,10 +64,19 @@ class Slo:
 class Config:
     interval: float = 1.0
     retention: float = 900.0
-    max_services: int = 500
+    max_services: int = DEFAULT_MAX_SERVICES
     buckets_per_octave: int = DEFAULT_BUCKETS_PER_OCTAVE
     services: tuple[ServiceRule, ...] = ()
     slos: tuple[Slo, ...] = ()
+    # Globs on service names whose histograms keep their buckets, besides the
+    # services that have an SLO or are named by a rule.
+    histograms: tuple[str, ...] = ()
+
+    def histogram_globs(self) -> tuple[str, ...]:
+        """Globs on the services whose histograms carry buckets: those an SLO
+        or a rule names (matched literally), then the `histograms` list."""
+        named = sorted({s.service for s in self.slos} | {r.name for r in self.services})
+        return tuple(glob.escape(n) for n in named) + self.histograms
 
 
 # What `slatrace run` uses without --config; tests check it parses to Config().
@@ -73,9 +84,11 @@ DEFAULT_CONFIG_YAML = """\
 # slatrace configuration. Every key is optional; these are the defaults.
 interval: 1            # seconds between aggregations (0 < interval <= 60)
 retention: 900         # seconds of history the API can answer from (>= interval)
-max_services: 500      # beyond this many names, new services are counted as "other"
+max_services: 1000     # at most this many service names, "other" included; new ones beyond count as "other"
 buckets_per_octave: 2  # histogram buckets exported per power of two: 1, 2 (43 buckets), 4 or 8;
                        # 4 keeps histogram_quantile within ~8% of the agent's quantile, at twice the series
+histograms: []         # services whose histograms keep their buckets (globs on the service name, "*" for
+                       # all), besides those with an SLO or named by a rule; others export _sum/_count only
 
 # First matching rule wins. A task matching no rule gets an automatic name:
 # "host" for the root cgroup, otherwise its cgroup v2 path (e.g. /batch/etl).
@@ -92,7 +105,7 @@ slos: []
 #    request_e2e_p99: 2.0       # seconds, judged from the service's request spans
 """
 
-_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "services", "slos")
+_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "histograms", "services", "slos")
 _RULE_MATCHERS = (
     "cgroup",
     "comm",
@@ -154,7 +167,7 @@ def parse_config(data: Any, source: str) -> Config:
         )
     max_services = top.get("max_services")
     if max_services is None:
-        max_services = 500
+        max_services = DEFAULT_MAX_SERVICES
     if not _is_int(max_services) or max_services < 1:
         raise ConfigError(
             f"{source}: max_services: expected a whole number of at least 1, got {max_services!r}"
@@ -172,6 +185,14 @@ def parse_config(data: Any, source: str) -> Config:
     slos = tuple(
         _slo(item, source, f"slos[{i}]") for i, item in enumerate(_sequence(top, "slos", source))
     )
+    histograms = tuple(_histogram_glob(item, source, f"histograms[{i}]")
+                       for i, item in enumerate(_sequence(top, "histograms", source)))
+    named = {r.name for r in rules}
+    if len(named) >= max_services:
+        raise ConfigError(
+            f"{source}: max_services: must be more than the {len(named)} service names the rules give "
+            f"(one name is kept for \"other\"), got {max_services!r}"
+        )
     return Config(
         interval=float(interval),
         retention=float(retention),
@@ -179,7 +200,17 @@ def parse_config(data: Any, source: str) -> Config:
         buckets_per_octave=int(per_octave),
         services=rules,
         slos=slos,
+        histograms=histograms,
     )
+
+
+def _histogram_glob(item: Any, source: str, where: str) -> str:
+    if not isinstance(item, str) or not item.strip():
+        raise ConfigError(
+            f"{source}: {where}: expected a service name or a glob on service names (e.g. \"vllm\" or "
+            f"\"/batch/*\"), got {item!r}"
+        )
+    return item
 
 
 def _service_rule(item: Any, source: str, where: str) -> ServiceRule:

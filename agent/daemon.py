@@ -96,7 +96,8 @@ class Daemon:
         self.config = config
         self.options = options
         self.stop_event = threading.Event()
-        self.store = Store(config.retention)
+        self.store = Store(config.retention, max_services=config.max_services,
+                           reserved=frozenset(r.name for r in config.services))
         self.registry = CollectorRegistry(auto_describe=False)
         self.poll_seconds = 0.0
         self.polls = 0
@@ -116,6 +117,7 @@ class Daemon:
         # traces subsystem) are added to interval breaches here.
         self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
             slos=config.slos, bounds=classic_bounds(config.buckets_per_octave),
+            histograms=config.histogram_globs(),
             throttled_seconds=self.throttle.totals,
             slo_breaches=summed(self.breaches.totals, self._request_breaches),
             request_sched_delay=self._request_delays, request_slos=self._request_slos)))

@@ -2,7 +2,10 @@
 fleet, rebuilt from what Prometheus scraped from every agent.
 
 Quantiles are `histogram_quantile` over the buckets summed across agents;
-counts and seconds are `increase` of the counters over the window. Blame and
+a service exported without buckets (the series budget: no SLO, rule or
+`histograms` entry names it) gets the agent's own run-queue quantiles over
+its last 60 s instead, and no I/O-wait quantile. Counts and seconds are
+`increase` of the counters over the window. Blame and
 verdicts are computed by the agent's own rule (attribution.blame_from_totals),
 so the two answers differ only by what Prometheus stores: the classic bucket
 bounds (about 1.4x apart) and the scrape grid.
@@ -67,18 +70,25 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
     for the `since` seconds before `at`, summed over every scraped agent."""
     at = prom._clock() if at is None else at
     rng = f"[{max(1, round(since))}s]"
+    sel_inner = f', service="{service}"' if service else ""
     sel = f'{{service="{service}"}}' if service else ""
 
     def inc(metric: str, by: str = "service") -> list[tuple[dict[str, str], float]]:
         return prom.vector(f"sum by ({by}) (increase({metric}{sel}{rng}))", at)
 
     def quantile(metric: str, q: float) -> dict[str, float]:
+        # A histogram with the +Inf bucket only answers NaN, which vector() drops.
         return _by_service(prom.vector(
             f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))", at))
 
+    def runq_quantile(q: float) -> dict[str, float]:
+        gauge = _by_service(prom.vector(
+            f'max by (service) (slatrace_runq_latency_quantile_seconds{{quantile="{q}"{sel_inner}}})', at))
+        return gauge | quantile("slatrace_runq_latency_seconds", q)
+
     count = _by_service(inc("slatrace_runq_latency_seconds_count"))
     wait = _by_service(inc("slatrace_runq_latency_seconds_sum"))
-    qs = {q: quantile("slatrace_runq_latency_seconds", q) for q in (0.5, 0.95, 0.99)}
+    qs = {q: runq_quantile(q) for q in (0.5, 0.95, 0.99)}
     io_count = _by_service(inc("slatrace_iowait_seconds_count"))
     io_sum = _by_service(inc("slatrace_iowait_seconds_sum"))
     io_p99 = quantile("slatrace_iowait_seconds", 0.99)

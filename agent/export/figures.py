@@ -14,7 +14,8 @@ docs are complete) but carries no points.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,7 +24,8 @@ from agent.attribution.attribution import judge_slos
 from agent.config import Slo
 from agent.probe.layout import ERROR_MAPS
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
-from agent.store.store import Store
+from agent.snapshot import PairCounters
+from agent.store.store import IDLE, ServiceWindow, Store
 
 MetricType = Literal["counter", "gauge", "histogram", "summary"]
 
@@ -31,6 +33,11 @@ QUANTILES = (0.5, 0.95, 0.99)
 QUANTILE_WINDOW_S = 60.0
 # Untraced-event kinds, in the order the store counts them.
 UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
+# by_service values exported per service, ranked by the wait they caused
+# since the service was first seen; "idle" is exported besides them.
+TOP_CULPRITS = 3
+# The most series one service costs without buckets (docs/metrics.md counts them).
+SERIES_PER_SERVICE = 30
 
 
 @dataclass(frozen=True)
@@ -109,12 +116,17 @@ class Sources:
     request_sched_delay: service -> per-request run-queue wait, as a log-linear
       Histogram or already bucketed on `bounds` (a HistogramPoint).
     bounds: the classic bucket bounds of every exported histogram.
+    histograms: globs on service names whose histograms carry their buckets
+      and whose every culprit is exported; any other service's histograms are
+      exported as _sum, _count and the +Inf bucket only, and its top culprits
+      (the series budget).
     agent_stats: self-metrics of the daemon's loop, by metric name
       (slatrace_poll_duration_seconds, slatrace_poll_errors).
     """
 
     slos: tuple[Slo, ...] = ()
     bounds: tuple[float, ...] = field(default_factory=classic_bounds)
+    histograms: tuple[str, ...] = ("*",)
     throttled_seconds: Callable[[], Mapping[str, float]] | None = None
     slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
     request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
@@ -223,6 +235,40 @@ def histogram_point(labels: tuple[str, ...], hist: Histogram,
     return HistogramPoint(labels, bounds, tuple(cumulative_counts(hist, bounds)), hist.sum_seconds)
 
 
+def without_buckets(p: HistogramPoint) -> HistogramPoint:
+    """The same histogram as _sum, _count and the +Inf bucket only."""
+    return HistogramPoint(p.labels, (), (p.count,), p.sum)
+
+
+def histogram_services(globs: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a service's histograms carry buckets: its name matches one of globs."""
+    patterns = tuple(globs)
+    if "*" in patterns:
+        return lambda _service: True
+    return lambda service: any(fnmatch.fnmatchcase(service, g) for g in patterns)
+
+
+def top_culprits(f: ServiceWindow, n: int = TOP_CULPRITS) -> frozenset[str]:
+    """The by_service values exported for one service: the n that caused the
+    most wait (after preempting it or while holding the CPU it waited for),
+    plus "idle". The rest stay in slatrace_runq_wait_seconds_total, unattributed.
+
+    Dropped, not summed into an "other" label: every exported counter is then
+    a pair's true total, which only grows; a folded sum would shrink whenever
+    the ranking changed, and Prometheus would read a counter reset."""
+    caused: dict[str, int] = {}
+    for table in (f.preempted_by, f.waited_behind):
+        for by, p in table.items():
+            if by != IDLE:
+                caused[by] = caused.get(by, 0) + p.wait_ns
+    ranked = sorted(caused, key=lambda by: (-caused[by], by))[:n]
+    return frozenset(ranked) | {IDLE}
+
+
+def _culprit_items(table: Mapping[str, PairCounters], keep: frozenset[str]) -> list[tuple[str, PairCounters]]:
+    return [(by, p) for by, p in sorted(table.items()) if by in keep]
+
+
 def compute(store: Store, sources: Sources = Sources(), now: float | None = None) -> list[Family]:
     """Every family of CATALOG, in catalog order, from one look at the store."""
     # Window first: a scrape racing an ingest then sees totals at least as new
@@ -231,26 +277,42 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     totals = store.totals()
     services = sorted(totals)
     bounds = sources.bounds
+    bucketed = histogram_services(sources.histograms)
     points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
 
+    def histogram(s: str, hist: Histogram) -> HistogramPoint:
+        if bucketed(s):
+            return histogram_point((s,), hist, bounds)
+        return HistogramPoint((s,), (), (hist.count,), hist.sum_seconds)
+
+    # The series budget (docs/metrics.md): a kind that never happened to a
+    # service has no series; culprits are the top few.
     for s in services:
         f = totals[s]
-        points[RUNQ_LATENCY.name].append(histogram_point((s,), f.runq, bounds))
-        points[RUNQ_WAIT.name].append(Point((s,), f.runq.sum_seconds))
-        for by, p in sorted(f.preempted_by.items()):
+        if f.runq.count:
+            points[RUNQ_LATENCY.name].append(histogram(s, f.runq))
+            points[RUNQ_WAIT.name].append(Point((s,), f.runq.sum_seconds))
+        # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
+        keep = frozenset(f.preempted_by) | frozenset(f.waited_behind) if bucketed(s) else top_culprits(f)
+        for by, p in _culprit_items(f.preempted_by, keep):
             points[PREEMPTIONS.name].append(Point((s, by), p.count))
             points[PREEMPTED_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
-        for by, p in sorted(f.waited_behind.items()):
+        for by, p in _culprit_items(f.waited_behind, keep):
             points[WAKEUP_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
-        points[IOWAIT.name].append(histogram_point((s,), f.iowait, bounds))
-        points[MIGRATIONS.name].append(Point((s,), f.migrations))
+        if f.iowait.count:
+            points[IOWAIT.name].append(histogram(s, f.iowait))
+        if f.migrations:
+            points[MIGRATIONS.name].append(Point((s,), f.migrations))
         for kind, n in zip(UNTRACED_KINDS, (f.untraced_switch_in, f.untraced_switch_out, f.untraced_wakeup)):
-            points[UNTRACED.name].append(Point((s, kind), n))
+            if n:
+                points[UNTRACED.name].append(Point((s, kind), n))
 
     for s in services:
+        runq = totals[s].runq
+        if not runq.count:
+            continue
         recent = window.services.get(s)
         qs = tuple((q, recent.runq.quantile(q)) for q in QUANTILES) if recent and recent.runq.count else ()
-        runq = totals[s].runq
         points[RUNQ_QUANTILE.name].append(SummaryPoint((s,), qs, runq.count, runq.sum_seconds))
 
     # SLOs are judged for every configured service that has been seen, on the
@@ -273,7 +335,8 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
 
     if sources.throttled_seconds is not None:
         for s, v in sorted(sources.throttled_seconds().items()):
-            points[THROTTLED.name].append(Point((s,), v))
+            if v:
+                points[THROTTLED.name].append(Point((s,), v))
     if sources.slo_breaches is not None:
         for (s, slo), n in sorted(sources.slo_breaches().items()):
             points[SLO_BREACHES.name].append(Point((s, slo), n))
@@ -282,9 +345,11 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
             if isinstance(h, HistogramPoint):
                 if h.bounds != bounds:
                     raise ValueError(f"request delay histogram of {s!r} is not bucketed on the exported bounds")
-                points[REQUEST_SCHED_DELAY.name].append(HistogramPoint((s,), h.bounds, h.cumulative, h.sum))
+                p = HistogramPoint((s,), h.bounds, h.cumulative, h.sum)
             else:
-                points[REQUEST_SCHED_DELAY.name].append(histogram_point((s,), h, bounds))
+                p = histogram_point((s,), h, bounds)
+            if p.count:
+                points[REQUEST_SCHED_DELAY.name].append(p if bucketed(s) else without_buckets(p))
 
     for name, st in sorted(store.programs().items()):
         points[BPF_EVENTS.name].append(Point((name,), st.run_cnt))

@@ -170,7 +170,7 @@ class ServiceResolver:
         rules: Iterable[ServiceRule],
         cgroup_paths: CgroupPaths,
         proc_root: Path = Path("/proc"),
-        max_services: int = 500,
+        max_services: int = 1000,
         *,
         refresh_s: float = 10.0,
         retention_s: float = 900.0,
@@ -183,6 +183,7 @@ class ServiceResolver:
             _CompiledRule(rule=r, cgroup=cgroup_glob_regex(r.cgroup) if r.cgroup is not None else None)
             for r in rules
         ]
+        self._rule_names = frozenset(c.rule.name for c in self._rules)
         self.pods = pods
         self.docker = docker
         self.retention_s = retention_s
@@ -339,15 +340,17 @@ class ServiceResolver:
                 continue  # the process exited between cgroup.procs and here
 
     def _admit(self, service: Service, now: float) -> Service:
-        """Caps how many names reach the metrics: automatic names beyond
-        max_services become "other". Names from config rules are always kept,
-        since the operator asked for them and their number is bounded by the file."""
+        """Caps how many names reach the metrics at max_services: places are
+        kept for every name the config rules give (the operator asked for them
+        and the file bounds their number) and for "other", where automatic
+        names beyond the cap are counted."""
         with self._lock:
             if service.name in self._seen:
                 self._last_seen[service.name] = now
                 return self._seen[service.name]
-            counted = sum(1 for name in self._seen if name != OTHER)
-            if service.source != "config" and counted >= self.max_services:
+            automatic = sum(1 for name in self._seen if name != OTHER and name not in self._rule_names)
+            room = self.max_services - 1 - len(self._rule_names)
+            if service.source != "config" and automatic >= room:
                 service = Service(OTHER, "cgroup")
                 if OTHER in self._seen:
                     self._last_seen[OTHER] = now

@@ -45,6 +45,8 @@ OTHER_CULPRITS = "other"
 CULPRITS_KEPT = 8
 # ... and beyond the largest CULPRITS_SUMMED of a victim over a window or since start.
 CULPRITS_SUMMED = 32
+# Where totals of services beyond max_services are counted (the resolver's name too).
+OTHER_SERVICE = "other"
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -242,14 +244,26 @@ def _merge(records: Iterable[IntervalRecord], service: str | None,
 class Store:
     """Ring of per-service intervals covering the retention window, plus totals.
 
-    Totals since start never shrink: Prometheus counters are built from them,
-    and a counter that went down would read as a restart.
+    A service's totals only grow while it is seen: Prometheus counters are
+    built from them, and a counter that went down would read as a restart.
+    A service not seen (no activity in an interval) for the retention, as the
+    newest interval's end tells (the clock the ring is trimmed by), is
+    forgotten with its totals, so the exported label set follows the live
+    services; if it comes back its counters start again from zero, which
+    Prometheus reads as a counter reset. At most max_services names are kept,
+    "other" included: the totals of any further name are added to "other".
+    The names in `reserved` (those the config rules give) always have a place.
     """
 
-    def __init__(self, retention_s: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, retention_s: float, clock: Callable[[], float] = time.time,
+                 max_services: int | None = None, reserved: frozenset[str] = frozenset()) -> None:
         if retention_s <= 0:
             raise ValueError(f"retention must be positive, got {retention_s}")
+        if max_services is not None and max_services < 1:
+            raise ValueError(f"max_services must be at least 1, got {max_services}")
         self._retention_s = retention_s
+        self._max_services = max_services
+        self._reserved = reserved
         self._clock = clock
         self._lock = threading.Lock()          # guards everything readers see
         self._ingest_lock = threading.Lock()   # serialises writers
@@ -258,7 +272,11 @@ class Store:
         self._records: deque[IntervalRecord] = deque()
         self._collected = 0
         self._totals: dict[str, _ServiceSum] = {}
-        self._frozen_totals: Mapping[str, ServiceWindow] | None = _EMPTY
+        self._last_seen: dict[str, float] = {}   # service -> end of its newest interval
+        # Totals frozen per service, refrozen only for services an interval
+        # changed: on a churning node most kept services are idle until forgotten.
+        self._frozen_totals: dict[str, ServiceWindow] = {}
+        self._changed_totals: set[str] = set()
         self._error_totals: dict[str, int] = {}
         self._programs: Mapping[str, ProgramStats] = _EMPTY
 
@@ -300,9 +318,7 @@ class Store:
                 horizon = record.end - self._retention_s
                 while self._records and self._records[0].end < horizon:
                     self._records.popleft()
-                for name, s in record.services.items():
-                    self._totals.setdefault(name, _ServiceSum()).add_interval(s)
-                self._frozen_totals = None
+                self._add_totals(record)
                 for name, n in errors.items():
                     self._error_totals[name] = self._error_totals.get(name, 0) + n
                 self._programs = MappingProxyType(dict(snapshot.programs))
@@ -443,6 +459,33 @@ class Store:
                 errors[map_name] = d
         return sums, errors
 
+    def _add_totals(self, record: IntervalRecord) -> None:
+        """Adds an interval to the totals and forgets services unseen for the retention (lock held)."""
+        others: int | None = None   # unreserved names kept, counted once per interval
+        for name, s in record.services.items():
+            key = name
+            if name not in self._totals and self._max_services is not None and name not in self._reserved:
+                if others is None:
+                    others = sum(1 for n in self._totals if n != OTHER_SERVICE and n not in self._reserved)
+                # Places are kept for "other" and every reserved name.
+                if name != OTHER_SERVICE and others < self._max_services - 1 - len(self._reserved):
+                    others += 1
+                else:
+                    key = OTHER_SERVICE
+            self._totals.setdefault(key, _ServiceSum()).add_interval(s)
+            self._last_seen[key] = record.end
+            self._changed_totals.add(key)
+        self._forget(record.end - self._retention_s)
+
+    def _forget(self, horizon: float) -> None:
+        """Drops the totals of services last seen before horizon (lock held)."""
+        gone = [name for name, seen in self._last_seen.items() if seen < horizon]
+        for name in gone:
+            del self._last_seen[name]
+            del self._totals[name]
+            self._frozen_totals.pop(name, None)
+            self._changed_totals.discard(name)
+
     # Readers.
 
     @property
@@ -492,12 +535,14 @@ class Store:
         )
 
     def totals(self) -> dict[str, ServiceWindow]:
-        """Per-service sums since the store started; they only ever grow."""
+        """Per-service sums since each service was first seen, for the services
+        seen within the retention; a service's sums only grow while it is kept."""
         with self._lock:
-            if self._frozen_totals is None:
-                # Frozen lazily: scrapes are rarer than intervals.
-                self._frozen_totals = _freeze_all(self._totals)
-            return dict(self._frozen_totals)
+            # Frozen lazily: scrapes are rarer than intervals.
+            for name in self._changed_totals:
+                self._frozen_totals[name] = self._totals[name].freeze()
+            self._changed_totals.clear()
+            return dict(sorted(self._frozen_totals.items()))
 
     def error_totals(self) -> dict[str, int]:
         """Failed map updates per map since the store started."""

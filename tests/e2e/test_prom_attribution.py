@@ -1,7 +1,11 @@
 """`slatrace attribution --prometheus`: a real Prometheus (Debian's, started
 here on loopback with its own directory, scraping every second) scrapes a real
 agent; the fleet answer must agree with the agent's own for the same window
-within the resolution of the exported buckets."""
+within the resolution of the exported buckets.
+
+The series budget is on: the victim gets buckets (a `histograms` entry), the
+heavy hogs do not, so their quantiles come from the agent's 60 s quantile
+gauge and must match the agent's own answer for its last 60 s."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from agent.store.histogram import classic_bounds
 from tests.e2e.scenes import contention
 from tests.support import kernel_unavailable, require_kernel
 from tests.support.agent import REPO, SLATRACE, Agent, free_port, http_get
+from tests.support.workload import PREFIX
 
 pytestmark = pytest.mark.e2e
 
@@ -68,13 +73,15 @@ class Prometheus:
 
 
 @pytest.fixture(scope="module")
-def both():
+def both(tmp_path_factory: pytest.TempPathFactory):
     reason = kernel_unavailable()
     if reason:
         require_kernel(reason)
     if shutil.which("prometheus") is None:
         require_kernel("Debian's prometheus is not installed (make setup-test installs it)")
-    with Agent(interval=0.5) as agent, contention(WINDOW + 12, heavy_hogs=2) as c, \
+    cfg = tmp_path_factory.mktemp("cfg") / "slatrace.yaml"
+    cfg.write_text(f'histograms: ["/{PREFIX}victim-*"]\n')   # the scene's victim cgroup, by its name
+    with Agent(config=cfg, interval=0.5) as agent, contention(WINDOW + 12, heavy_hogs=2) as c, \
             Prometheus(f"127.0.0.1:{agent.port}") as prom:
         deadline = time.monotonic() + 30
         series = f'count_over_time(slatrace_runq_latency_seconds_count{{service="{c.victim.path}"}}[{WINDOW:g}s])'
@@ -84,25 +91,42 @@ def both():
         # Both asked at the same instant about the same window, while the load is steady.
         at = time.time()
         ours = {r["service"]: r for r in agent.get_json(f"/api/v1/attribution?since={WINDOW:g}")["attribution"]}
+        minute = {r["service"]: r for r in agent.get_json("/api/v1/attribution?since=60")["attribution"]}
         fleet = {r["service"]: r for r in fleet_attribution(PrometheusQuery(prom.url), WINDOW, at)["attribution"]}
         cli = subprocess.run(SLATRACE + ["attribution", c.victim.path, "--prometheus", prom.url, "--since",
                                          f"{WINDOW:g}", "--json"], cwd=REPO, capture_output=True, text=True,
                              timeout=60)
-        yield c, ours, fleet, cli
+        status, metrics = http_get(agent.url + "/metrics")
+        assert status == 200
+        yield c, ours, minute, fleet, cli, metrics.decode()
 
 
 def test_quantiles_agree_within_bucket_resolution(both) -> None:
-    c, ours, fleet, _ = both
-    for cg in (c.victim, c.heavy):
-        a, p = ours[cg.path], fleet[cg.path]
-        for q in ("p50", "p95", "p99"):
-            assert a["runq"][q] and p["runq"][q], (cg.path, q)
-            ratio = p["runq"][q] / a["runq"][q]
-            assert 1 / (BUCKET_RATIO * 1.15) <= ratio <= BUCKET_RATIO * 1.15, (cg.path, q, a["runq"], p["runq"])
+    c, ours, _, fleet, _, _ = both
+    a, p = ours[c.victim.path], fleet[c.victim.path]
+    for q in ("p50", "p95", "p99"):
+        assert a["runq"][q] and p["runq"][q], q
+        ratio = p["runq"][q] / a["runq"][q]
+        assert 1 / (BUCKET_RATIO * 1.15) <= ratio <= BUCKET_RATIO * 1.15, (q, a["runq"], p["runq"])
+
+
+def test_services_without_buckets_get_the_agent_quantiles(both) -> None:
+    c, _, minute, fleet, _, metrics = both
+    # The budget is really on: the hogs have no finite bucket, the victim has.
+    heavy_les = {line.split('le="', 1)[1].split('"', 1)[0] for line in metrics.splitlines()
+                 if line.startswith("slatrace_runq_latency_seconds_bucket{") and f'"{c.heavy.path}"' in line}
+    assert heavy_les == {"+Inf"}
+    assert sum(1 for line in metrics.splitlines() if line.startswith("slatrace_runq_latency_seconds_bucket{")
+               and f'"{c.victim.path}"' in line) > 10
+    a, p = minute[c.heavy.path], fleet[c.heavy.path]
+    for q in ("p50", "p95", "p99"):
+        assert a["runq"][q] and p["runq"][q], q
+        # The same figure, read one scrape (at most 1 s, two intervals) apart.
+        assert p["runq"][q] == pytest.approx(a["runq"][q], rel=0.15), (q, a["runq"], p["runq"])
 
 
 def test_counters_agree(both) -> None:
-    c, ours, fleet, _ = both
+    c, ours, _, fleet, _, _ = both
     for cg in (c.victim, c.heavy):
         a, p = ours[cg.path], fleet[cg.path]
         # Agent intervals (0.5 s) and scrapes (1 s) cut the window differently.
@@ -115,7 +139,7 @@ def test_counters_agree(both) -> None:
 
 
 def test_cli_prometheus_json(both) -> None:
-    c, _, _, cli = both
+    c, _, _, _, cli, _ = both
     assert cli.returncode == 0, cli.stderr
     (rec,) = json.loads(cli.stdout)["attribution"]
     assert rec["service"] == c.victim.path and rec["source"] == "prometheus"

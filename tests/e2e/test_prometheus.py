@@ -43,6 +43,7 @@ class Run:
     instance: str
     at: float          # evaluation time: the last scrape after the workload
     metrics: str       # the agent's /metrics at that time
+    plain: str         # a service no rule, SLO or `histograms` entry names: no buckets
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         require_kernel("Debian's prometheus package is not installed (SLATRACE_SETUP_TEST=1 scripts/setup.sh)")
     tmp = tmp_path_factory.mktemp("prometheus")
-    with TestCgroup("victim") as victim, TestCgroup("hogs") as hogs, TestCgroup("io") as io:
+    with TestCgroup("victim") as victim, TestCgroup("hogs") as hogs, TestCgroup("io") as io, \
+            TestCgroup("plain") as plain:
         cfg = tmp / "slatrace.yaml"
         cfg.write_text(yaml.safe_dump({
             "services": [{"name": VICTIM, "cgroup": victim.path}, {"name": HOGS, "cgroup": hogs.path},
@@ -71,6 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             for _ in range(3):
                 hogs.spawn(hogs_quota.wrap + hog_argv(), stdout=subprocess.DEVNULL)
             io.spawn(iowait_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
+            plain.spawn(iowait_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
             v = victim.spawn(victim_argv(WORKLOAD_S), stdout=subprocess.DEVNULL)
             v.wait(timeout=WORKLOAD_S + 30)
             # Two more scrapes so the last intervals are in Prometheus.
@@ -78,7 +81,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             at = time.time()
             status, body = http_get(agent.url + "/metrics")
             assert status == 200
-            yield Run(agent, prom, f"127.0.0.1:{agent.port}", at, body.decode())
+            yield Run(agent, prom, f"127.0.0.1:{agent.port}", at, body.decode(), plain.path)
 
 
 def test_dashboard_variables_find_the_agent_and_the_test_services(run: Run) -> None:
@@ -98,6 +101,34 @@ def test_every_overview_query_returns_series(run: Run) -> None:
         if not run.prom.query(query, at=run.at):
             empty.append((title, query))
     assert not empty, f"panels without data: {empty}"
+
+
+def test_quantile_panels_fall_back_for_services_without_buckets(run: Run) -> None:
+    """The series budget leaves the plain service without buckets; the
+    quantile panels still draw it, from the agent's gauge (run queue) or the
+    mean (I/O), and the named services from their buckets."""
+    assert _le_values(run.metrics, "slatrace_runq_latency_seconds", run.plain) == ["+Inf"]
+    assert _le_values(run.metrics, "slatrace_iowait_seconds", run.plain) == ["+Inf"]
+    assert len(_le_values(run.metrics, "slatrace_iowait_seconds", IO)) > 1
+    panels = [(t, e) for t, e in dashboard_targets(OVERVIEW) if "histogram_quantile" in e]
+    assert len(panels) == 5
+    sel = f'instance="{run.instance}", service="{run.plain}"'
+    for title, expr in panels:
+        rows = run.prom.query(substitute(expr, run.instance, run.plain, "30s"), at=run.at)
+        assert [r["metric"].get("service") for r in rows] == [run.plain], (title, rows)
+        value = float(rows[0]["value"][1])
+        q = re.match(r"\(histogram_quantile\(([\d.]+),", expr).group(1)
+        if "runq" in expr:
+            gauge = run.prom.query(f'slatrace_runq_latency_quantile_seconds{{{sel}, quantile="{q}"}}', at=run.at)
+            assert value == float(gauge[0]["value"][1]), title
+        else:
+            total = {m: float(run.prom.query(f"increase(slatrace_iowait_seconds_{m}{{{sel}}}[30s])",
+                                             at=run.at)[0]["value"][1]) for m in ("sum", "count")}
+            assert value == pytest.approx(total["sum"] / total["count"], rel=1e-6), title
+    # A named service is still drawn from its buckets, not from the fallback.
+    expr = next(e for t, e in panels if "slatrace_iowait_seconds_bucket" in e and "0.99" in e)
+    bucket_only = expr.split(" or ")[0]
+    assert run.prom.query(substitute(bucket_only, run.instance, IO, "30s"), at=run.at)
 
 
 def test_test_services_show_the_contention(run: Run) -> None:

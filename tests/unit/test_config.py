@@ -70,9 +70,10 @@ def test_spec_example_parses_to_expected_values(tmp_path: Path) -> None:
 def test_defaults_yaml_and_no_file_give_config_defaults() -> None:
     assert parse_config(yaml.safe_load(DEFAULT_CONFIG_YAML), "defaults") == Config()
     assert load_config(None) == Config()
-    assert Config() == Config(interval=1.0, retention=900.0, max_services=500)
+    assert Config() == Config(interval=1.0, retention=900.0, max_services=1000)
     # The embedded file documents every top-level key it defaults.
-    for key in ("interval:", "retention:", "max_services:", "buckets_per_octave:", "services:", "slos:"):
+    for key in ("interval:", "retention:", "max_services:", "buckets_per_octave:", "histograms:", "services:",
+                "slos:"):
         assert key in DEFAULT_CONFIG_YAML
 
 
@@ -87,7 +88,7 @@ def test_all_rule_matchers_and_slo_targets_are_kept() -> None:
         """
 interval: 0.5
 retention: 30
-max_services: 3
+max_services: 4
 services:
   - name: web
     k8s_namespace: prod
@@ -105,7 +106,7 @@ slos:
     request_ttft_p99: 1
 """
     )
-    assert cfg.interval == 0.5 and cfg.retention == 30.0 and cfg.max_services == 3
+    assert cfg.interval == 0.5 and cfg.retention == 30.0 and cfg.max_services == 4
     assert cfg.services == (
         ServiceRule(name="web", k8s_namespace="prod", k8s_pod="web-*", k8s_container="app"),
         ServiceRule(name="db", systemd_unit="postgresql.service"),
@@ -130,7 +131,7 @@ def test_results_are_frozen() -> None:
         (
             "intervall: 2",
             "config.yaml: unknown key 'intervall' "
-            "(known keys: interval, retention, max_services, buckets_per_octave, services, slos)",
+            "(known keys: interval, retention, max_services, buckets_per_octave, histograms, services, slos)",
         ),
         (
             "services:\n  - name: a\n    comm: x\n  - name: b\n    cgroup: 3\n",
@@ -215,6 +216,20 @@ def test_results_are_frozen() -> None:
         (
             "max_services: 2.5",
             "config.yaml: max_services: expected a whole number of at least 1, got 2.5",
+        ),
+        (
+            "max_services: 2\nservices: [{name: a, comm: a}, {name: b, comm: b}]",
+            "config.yaml: max_services: must be more than the 2 service names the rules give "
+            "(one name is kept for \"other\"), got 2",
+        ),
+        (
+            "histograms: vllm",
+            "config.yaml: histograms: expected a list (each item starting with '- '), got 'vllm'",
+        ),
+        (
+            "histograms: [vllm, 3]",
+            "config.yaml: histograms[1]: expected a service name or a glob on service names "
+            "(e.g. \"vllm\" or \"/batch/*\"), got 3",
         ),
         (
             "slos:\n  - service: 3\n    runq_p99: 0.1\n",

@@ -132,7 +132,7 @@ def test_every_queried_metric_is_exposed(path: Path) -> None:
         assert names, expr
         assert names <= exposed, (names - exposed, expr)
         # `le` matchers must name a real bound, or the series is silently empty.
-        for le in re.findall(r'le="([^"]+)"', expr):
+        for le in re.findall(r'\ble="([^"]+)"', expr):
             assert le in les, (le, expr)
 
 

@@ -345,7 +345,8 @@ def test_cache_follows_path_changes(tree: dict) -> None:
 
 def test_max_services_overflow_goes_to_other(tree: dict) -> None:
     ids = tree["ids"]
-    r = resolver(tree, [ServiceRule(name="nginx", comm="nginx")], max_services=2)
+    # Four names at most: one kept for the rule's "nginx", one for "other".
+    r = resolver(tree, [ServiceRule(name="nginx", comm="nginx")], max_services=4)
     assert r.service_of(ids["/"]) == "host"
     assert r.service_of(ids["/batch"]) == "/batch"
     assert r.service_of(ids["/batch/etl"]) == "other"
@@ -354,6 +355,21 @@ def test_max_services_overflow_goes_to_other(tree: dict) -> None:
     assert r.service_of(ids["/batch"]) == "/batch"
     assert r.service_of(ids["/web"]) == "nginx"
     assert [s["name"] for s in r.describe()] == ["/batch", "host", "nginx", "other"]
+
+
+def test_max_services_counts_forgotten_names_out(tree: dict) -> None:
+    """A name unseen for the retention leaves, and its place goes to the next one."""
+    ids = tree["ids"]
+    r = resolver(tree, [], max_services=2, retention_s=100.0)
+    clock = tree["clock"]
+    assert r.service_of(ids["/"]) == "host"
+    assert r.service_of(ids["/batch"]) == "other"
+    clock.now += 50
+    assert r.service_of(ids["/batch"]) == "other"   # keeps "other" alive, not "host"
+    clock.now += 120                                # host unseen for 170 s, "other" for 120 s
+    r.service_of(ids["/batch/etl"])                 # a resolve sweeps; both names are gone
+    assert [s["name"] for s in r.describe()] == ["/batch/etl"]
+    assert r.service_of(ids["/batch"]) == "other"
 
 
 def test_describe(tree: dict) -> None:
