@@ -19,7 +19,7 @@ from agent.api.routes import Response
 from agent.api.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
-from agent.traces.pipeline import RequestPipeline
+from agent.traces.pipeline import Overloaded, RequestPipeline
 
 __all__ = ["HttpReceiver", "OtlpHttpApp", "TRACES_PATH"]
 
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
 DRAIN_LIMIT = 64 << 20  # bytes of an oversized body read (and dropped) before answering 413
-_REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported"}
-_GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13}  # google.rpc.Code
+_REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported", 503: "overloaded"}
+_GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13, 503: 14}  # google.rpc.Code
 
 
 class OtlpHttpApp(HttpApp):
@@ -71,6 +71,9 @@ class OtlpHttpApp(HttpApp):
             return self._refuse(e.status, e.reason, wants_json)
         try:
             self.pipeline.ingest(decoded, "http")
+        except Overloaded as e:
+            resp = self._refuse(503, str(e), wants_json)
+            return Response(resp.status, resp.body, resp.content_type, headers=(("Retry-After", "1"),))
         except Exception:
             log.exception("ingesting an OTLP/HTTP export failed")
             return self._refuse(500, "the agent failed to ingest the spans; see its log", wants_json)

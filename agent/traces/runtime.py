@@ -52,7 +52,7 @@ class Traces:
         limits: Limits = Limits(),
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
-        self.store = RequestStore(config.retention)
+        self.store = RequestStore(config.retention, on_evict=self.counters.add_store_evicted)
         self.forwarder = None
         if otlp_endpoint:
             from agent.traces.forward import Forwarder, make_exporter  # noqa: PLC0415
