@@ -112,6 +112,10 @@ class RequestPipeline:
         self._thread: threading.Thread | None = None
         self.errors = 0
 
+    def set_slos(self, slos: Iterable[Slo]) -> None:
+        """Judge requests finished from now on against these (a config reload)."""
+        self._slos = tuple(slos)
+
     # --- receiver side ---------------------------------------------------
 
     def ingest(self, req: ExportTraceServiceRequest, transport: str) -> int:
