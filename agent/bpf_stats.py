@@ -96,7 +96,7 @@ class BpfStatsSampler:
         except StatsUnavailable as e:
             if self.failed is None:  # said once, not every period
                 log.warning("%s: the slatrace_bpf_* self-cost counters move only if the node enables "
-                            "kernel.bpf_stats_enabled", e)
+                            "kernel.bpf_stats_enabled", e.strerror)
             self.failed = str(e)
             return False
 
