@@ -21,7 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 from agent.api.routes import AgentState, Api
 from agent.attribution.attribution import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
-from agent.api.server import HttpServer, parse_listen, raise_fd_limit
+from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.export.figures import HistogramPoint, Sources, summed
@@ -153,6 +153,7 @@ class Daemon:
         raise_fd_limit()
         self._server = HttpServer(host, port, Api(self.state))
         self._server.start()
+        self.registry.register(ServerCollector(self._server))
         log.info("listening on http://%s:%d", host, self._server.port)
 
         from agent.probe.loader import Probe  # noqa: PLC0415  (imports bcc)

@@ -31,13 +31,13 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from agent.api.routes import Api, Response, error
 
-__all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerLimits", "BackgroundHTTPServer",
-           "parse_listen", "raise_fd_limit"]
+__all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerCollector", "ServerLimits",
+           "BackgroundHTTPServer", "parse_listen", "raise_fd_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ class ServerStats:
     malformed: int = 0     # not HTTP/1.x, or a head too large
     errors: int = 0        # handler failures (500)
     open: int = 0
-    extra: dict = field(default_factory=dict)
+
+    OUTCOMES = ("served", "timeouts", "evicted", "resets", "malformed", "errors")
 
 
 class _Budget:
@@ -456,3 +457,28 @@ class HttpServer(BackgroundHTTPServer):
             raise ListenError(f"cannot listen on {host}:{port} ({e.strerror}): is another slatrace running? "
                               "choose another address with --listen") from None
 
+
+
+class ServerCollector:
+    """`slatrace_http_connections_total{server, outcome}` and the open count,
+    for the servers given: every connection the server ended early is counted."""
+
+    def __init__(self, *servers: BackgroundHTTPServer) -> None:
+        self.servers = servers
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
+
+        total = CounterMetricFamily("slatrace_http_connections", "HTTP connections accepted and how requests "
+                                    "or connections ended early (timeouts, evicted, resets, malformed, errors); "
+                                    "served counts requests answered.", labels=["server", "outcome"])
+        opened = GaugeMetricFamily("slatrace_http_connections_open", "HTTP connections open now.",
+                                   labels=["server"])
+        for srv in self.servers:
+            st = srv.stats
+            total.add_metric([srv.name, "accepted"], st.accepted)
+            for outcome in ServerStats.OUTCOMES:
+                total.add_metric([srv.name, outcome], getattr(st, outcome))
+            opened.add_metric([srv.name], st.open)
+        yield total
+        yield opened

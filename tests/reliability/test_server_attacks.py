@@ -100,6 +100,14 @@ def test_a_client_reset_is_at_most_one_quiet_line(server, caplog):
     assert len(records) <= 50
     assert all(r.levelno <= logging.DEBUG and r.exc_info is None for r in records)
     assert server.stats.resets == 50
+    # ... and counted where an operator sees it.
+    from prometheus_client import CollectorRegistry, generate_latest
+    from agent.api.server import ServerCollector
+
+    registry = CollectorRegistry()
+    registry.register(ServerCollector(server))
+    text = generate_latest(registry).decode()
+    assert 'slatrace_http_connections_total{outcome="resets",server="test-http"} 50.0' in text
 
 
 def test_peer_and_local_addresses_reach_the_handler():
