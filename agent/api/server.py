@@ -8,7 +8,8 @@ bytes of buffers — never a thread — and is closed when its deadline passes:
 - the listen backlog is 1,024 (socketserver's is 5);
 - a request head must arrive within `head_timeout_s`, its body within
   `body_timeout_s`, and a kept-alive connection may sit idle `idle_timeout_s`;
-- at most `max_connections` are open; past that, the connection that has waited
+- at most `max_connections` are open, and `max_connections_per_client` from one
+  peer address; past either, the connection (of that client) that has waited
   longest for a request head is closed to make room, so stalled clients can
   never lock the door on `/readyz` or a Prometheus scrape;
 - request bodies buffered at once are bounded in bytes: a client whose body
@@ -120,6 +121,7 @@ class ServerLimits:
     write_timeout_s: float = 30.0
     max_head_bytes: int = 64 << 10
     max_connections: int = 4096
+    max_connections_per_client: int = 1024  # by peer address; past it that client's longest-waiting one goes
     body_budget_bytes: int = 64 << 20  # request bodies held in memory at once, all connections
     workers: int = 8
 
@@ -189,7 +191,8 @@ class BackgroundHTTPServer:
             self._loop.close()
             self._pool.shutdown(wait=False)
             raise
-        self._waiting: OrderedDict[asyncio.Task, float] = OrderedDict()  # connections awaiting a head
+        self._waiting: OrderedDict[asyncio.Task, str] = OrderedDict()  # awaiting a head -> peer host
+        self._per_host: dict[str, int] = {}
         self._conns: set[asyncio.Task] = set()
         self._budget: _Budget | None = None
         self._server: asyncio.base_events.Server | None = None
@@ -248,19 +251,22 @@ class BackgroundHTTPServer:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        self._conns.add(task)
-        self.stats.accepted += 1
-        self.stats.open = len(self._conns)
-        if len(self._conns) > self.limits.max_connections:
-            self._evict_one()
         peer = _addr(writer.get_extra_info("peername"))
         local = _addr(writer.get_extra_info("sockname"))
+        self._conns.add(task)
+        self._per_host[peer[0]] = self._per_host.get(peer[0], 0) + 1
+        self.stats.accepted += 1
+        self.stats.open = len(self._conns)
+        if self._per_host[peer[0]] > self.limits.max_connections_per_client:
+            self._evict_one(peer[0])
+        if len(self._conns) > self.limits.max_connections:
+            self._evict_one()
         try:
             first = True
             while True:
                 # The first head has head_timeout_s from the connection; a
                 # kept-alive connection may idle idle_timeout_s before its next.
-                self._waiting[task] = time.monotonic()
+                self._waiting[task] = peer[0]
                 try:
                     head = await self._read_head(reader, self.limits.head_timeout_s if first
                                                  else self.limits.idle_timeout_s)
@@ -284,15 +290,19 @@ class BackgroundHTTPServer:
             log.warning("%s: connection from %s:%d failed: %s", self.name, *peer, e)
         finally:
             self._conns.discard(task)
+            left = self._per_host.pop(peer[0], 1) - 1
+            if left:
+                self._per_host[peer[0]] = left
             self.stats.open = len(self._conns)
             if writer.transport.get_write_buffer_size():
                 writer.transport.abort()  # a client that stopped reading gets no more of our memory
             else:
                 writer.close()
 
-    def _evict_one(self) -> None:
-        for task in self._waiting:
-            if task is not asyncio.current_task():
+    def _evict_one(self, host: str | None = None) -> None:
+        """Close the connection (of `host`, if given) that has waited longest for a request head."""
+        for task, from_host in self._waiting.items():
+            if task is not asyncio.current_task() and (host is None or from_host == host):
                 self._waiting.pop(task)
                 self.stats.evicted += 1
                 task.cancel()

@@ -162,3 +162,26 @@ def test_api_answers_other_methods_with_json_405(tmp_path):
         assert out.count(b"HTTP/1.1 200") == 2
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("server", [ServerLimits(max_connections_per_client=40, head_timeout_s=30.0)],
+                         indirect=True)
+def test_one_client_cannot_hold_more_than_its_share(server):
+    hold = []
+    try:
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", server.port))
+            s.sendall(b"GET /readyz HTTP/1.1\r\n")
+            hold.append(s)
+        # Another client address on the loopback still gets in, and is not evicted.
+        with socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0)) as other:
+            other.sendall(b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            assert other.recv(100).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 5
+        while server.stats.evicted < 60 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.stats.evicted == 60
+        assert server.stats.open == 40
+    finally:
+        for s in hold:
+            s.close()
