@@ -80,10 +80,10 @@ async def slowloris(port: int, conns: int, hold_s: float, probes: int, path: str
             while True:
                 if not await asyncio.wait_for(r.read(1 << 16), max(0.01, deadline - time.monotonic())):
                     return True
+        except asyncio.TimeoutError:  # first: it is an OSError since Python 3.11
+            return False
         except OSError:
             return True
-        except asyncio.TimeoutError:
-            return False
 
     deadline = time.monotonic() + close_within_s
     closed_flags = await asyncio.gather(*(closed(r) for r, _ in stalled))
