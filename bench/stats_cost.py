@@ -49,9 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.stats_cost")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--loops", type=int, default=100_000)
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the host sysctl to be off")
     a = p.parse_args(argv)
-    if SYSCTL.read_text().strip() != "0":
-        raise SystemExit("kernel.bpf_stats_enabled is on for the whole host: no 'off' to compare with")
+    deadline = time.monotonic() + min(max(a.wait, 0.0), 3600.0)
+    while SYSCTL.read_text().strip() != "0":  # wait (bounded) for whoever turned it on
+        if time.monotonic() > deadline:
+            raise SystemExit("kernel.bpf_stats_enabled is on for the whole host: no 'off' to compare with")
+        time.sleep(1.0)
     from agent.probe.loader import Probe  # noqa: PLC0415
 
     probe = Probe.load(feat.detect())
@@ -72,12 +76,19 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     if fd is not None:
                         os.close(fd)
+            # Another process may turn the host-wide sysctl on meanwhile: such a
+            # round has no "off" and is dropped (and counted).
+            row["host_sysctl_on"] = SYSCTL.read_text().strip() != "0"
             rows.append(row)
     finally:
         probe.close()
-    per_run = [(r["on"] - r["off"]) / r["runs"] * 1e9 for r in rows if r["runs"]]
+    dropped = sum(r["host_sysctl_on"] for r in rows)
+    rows = [r for r in rows if not r["host_sysctl_on"] and r["runs"]]
+    if not rows:
+        raise SystemExit("every round saw kernel.bpf_stats_enabled turned on by another process; rerun")
+    per_run = [(r["on"] - r["off"]) / r["runs"] * 1e9 for r in rows]
     doc = {
-        "rounds": len(rows), "loops": a.loops,
+        "rounds": len(rows), "dropped_rounds": dropped, "loops": a.loops,
         "off_s_median": statistics.median(r["off"] for r in rows),
         "on_s_median": statistics.median(r["on"] for r in rows),
         "runs_per_round_median": statistics.median(r["runs"] for r in rows),
