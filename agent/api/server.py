@@ -112,6 +112,11 @@ class HttpApp:
     def handle(self, req: Request) -> Response:
         raise NotImplementedError
 
+    def inline(self, req: Request) -> bool:
+        """True for a request cheap enough to answer on the event loop itself
+        (health probes): it never queues behind busy workers."""
+        return False
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -368,6 +373,8 @@ class BackgroundHTTPServer:
 
     async def _handle(self, req: Request) -> Response:
         try:
+            if self.app.inline(req):
+                return self.app.handle(req)
             return await self._loop.run_in_executor(self._pool, self.app.handle, req)
         except Exception:  # a bug must cost one request, not the server
             self.stats.errors += 1
@@ -455,6 +462,9 @@ class ApiApp(HttpApp):
 
     def handle(self, req: Request) -> Response:
         return self.api.handle("GET", req.target)
+
+    def inline(self, req: Request) -> bool:
+        return req.path in ("/livez", "/readyz")
 
 
 class HttpServer(BackgroundHTTPServer):

@@ -185,3 +185,40 @@ def test_one_client_cannot_hold_more_than_its_share(server):
     finally:
         for s in hold:
             s.close()
+
+
+class Busy(HttpApp):
+    """Every worker is stuck until released; /readyz is answered inline."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def inline(self, req: Request) -> bool:
+        return req.path == "/readyz"
+
+    def handle(self, req: Request) -> Response:
+        if req.path != "/readyz":
+            self.release.wait(10)
+        return Response(200, b"ok\n", "text/plain")
+
+
+def test_health_probes_do_not_queue_behind_busy_workers():
+    app = Busy()
+    srv = BackgroundHTTPServer("127.0.0.1", 0, app, "test-http", ServerLimits(workers=2))
+    srv.start()
+    stuck = []
+    try:
+        for _ in range(4):  # two hold the workers, two wait for one
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            stuck.append(s)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        out = raw(srv.port, b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        took = time.monotonic() - t0
+        assert out.startswith(b"HTTP/1.1 200") and took < 1.0, took
+    finally:
+        app.release.set()
+        for s in stuck:
+            s.close()
+        srv.stop()
