@@ -215,11 +215,11 @@ def _truncate_value(value, limit: int) -> int:
     if value.ByteSize() <= limit:
         return 0
     kind = value.WhichOneof("value")
-    if kind == "string_value":
-        value.string_value = value.string_value[:limit]
-        return 1
-    if kind == "bytes_value":
-        value.bytes_value = value.bytes_value[:limit]
+    if kind in ("string_value", "bytes_value"):
+        data = getattr(value, kind)
+        if len(data) <= limit:  # ByteSize counts the tag and length too
+            return 0
+        setattr(value, kind, data[:limit])
         return 1
     if kind == "array_value":
         return sum(_truncate_value(v, limit) for v in value.array_value.values)

@@ -209,3 +209,29 @@ def test_request_store_holds_its_byte_budget():
     assert store.bytes <= 1 * MiB
     assert len(store) == 1 * MiB // (len(json.dumps(doc, separators=(",", ":"))) + 2)
     assert store.evicted == 500 - len(store)
+
+
+def test_truncation_reaches_every_attribute_and_leaves_short_ones_alone():
+    from opentelemetry.proto.common.v1.common_pb2 import ArrayValue, KeyValueList
+
+    from agent.traces.otlp_decode import truncate_attributes
+
+    long_s, long_b = "s" * 100, b"b" * 100
+    span = request_span("r", 0, 1, short="ok")
+    span.attributes.append(KeyValue(key="bytes", value=AnyValue(bytes_value=long_b)))
+    span.attributes.append(KeyValue(key="array", value=AnyValue(array_value=ArrayValue(
+        values=[AnyValue(string_value=long_s), AnyValue(int_value=7)]))))
+    span.attributes.append(KeyValue(key="map", value=AnyValue(kvlist_value=KeyValueList(
+        values=[KeyValue(key="inner", value=AnyValue(string_value=long_s))]))))
+    event = span.events.add(name="e")
+    event.attributes.append(KeyValue(key="ev", value=AnyValue(string_value=long_s)))
+    req = export([span])
+    req.resource_spans[0].resource.attributes.append(KeyValue(key="res", value=AnyValue(string_value=long_s)))
+    assert truncate_attributes(req, 10) == 5
+    from agent.traces.spans import attributes
+    got = attributes(req.resource_spans[0].scope_spans[0].spans[0].attributes)
+    assert got["short"] == "ok" and got["bytes"] == b"b" * 10 and got["array"] == ["s" * 10, 7]
+    assert got["map"] == {"inner": "s" * 10}
+    assert attributes(req.resource_spans[0].scope_spans[0].spans[0].events[0].attributes) == {"ev": "s" * 10}
+    assert attributes(req.resource_spans[0].resource.attributes)["res"] == "s" * 10
+    assert truncate_attributes(req, 10) == 0  # nothing left to cut
