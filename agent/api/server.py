@@ -43,6 +43,7 @@ __all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerCollector",
 log = logging.getLogger(__name__)
 
 BACKLOG = 1024
+FD_RESERVE = 512
 MAX_HEADERS = 100
 
 
@@ -196,6 +197,11 @@ class BackgroundHTTPServer:
             self._loop.close()
             self._pool.shutdown(wait=False)
             raise
+        # Never more connections than open files allow: the agent keeps fds in
+        # reserve for /proc, cgroups and BPF, and two servers share the rest.
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = limits.max_connections if soft == resource.RLIM_INFINITY else \
+            max(16, min(limits.max_connections, (soft - FD_RESERVE) // 2))
         self._waiting: OrderedDict[asyncio.Task, str] = OrderedDict()  # awaiting a head -> peer host
         self._per_host: dict[str, int] = {}
         self._conns: set[asyncio.Task] = set()
@@ -223,6 +229,7 @@ class BackgroundHTTPServer:
             self._thread.join(timeout=5.0)
         else:
             self._sock.close()
+            self._loop.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- event loop ------------------------------------------------------
@@ -264,7 +271,7 @@ class BackgroundHTTPServer:
         self.stats.open = len(self._conns)
         if self._per_host[peer[0]] > self.limits.max_connections_per_client:
             self._evict_one(peer[0])
-        if len(self._conns) > self.limits.max_connections:
+        if len(self._conns) > self.max_connections:
             self._evict_one()
         try:
             first = True

@@ -222,3 +222,18 @@ def test_health_probes_do_not_queue_behind_busy_workers():
         for s in stuck:
             s.close()
         srv.stop()
+
+
+def test_a_low_open_files_limit_lowers_the_connection_limit():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    try:
+        srv = BackgroundHTTPServer("127.0.0.1", 0, Probe(), "test-http")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        assert srv.max_connections == (1024 - 512) // 2
+    finally:
+        srv.stop()
