@@ -250,8 +250,66 @@ def sighup(root: Path) -> dict:
             "log": [line.split(": ", 1)[-1] for line in out.splitlines() if "SIGHUP" in line or "reload" in line]}
 
 
+def grpc_flood(root: Path, senders: int = 8, exports: int = 15, per_export: int = 500) -> dict:
+    """`senders` threads each send `exports` OTLP/gRPC exports of `per_export`
+    request spans ending 5 s ahead (the most the agent accepts), so they pile
+    up in the pending heap: 60,000 by default, past its 50,000."""
+    import grpc  # noqa: PLC0415
+
+    grpc_port = free_port()
+    d = Daemon(root, "--otlp-grpc-listen", f"127.0.0.1:{grpc_port}")
+    results: list[str] = []
+    lock = threading.Lock()
+
+    def body(sender: int, n: int) -> bytes:
+        end = time.time_ns() + 5 * 10**9
+        spans = []
+        for i in range(per_export):
+            span = Span(name="llm_request", trace_id=os.urandom(16), span_id=os.urandom(8),
+                        start_time_unix_nano=end - 10**9, end_time_unix_nano=end)
+            span.attributes.append(KeyValue(key="gen_ai.request.id",
+                                            value=AnyValue(string_value=f"g{sender}-{n}-{i}")))
+            spans.append(span)
+        return ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])]) \
+            .SerializeToString()
+
+    def send(sender: int) -> None:
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            call = ch.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+            for n in range(exports):
+                try:
+                    call(body(sender, n), timeout=10.0)
+                    code = "OK"
+                except grpc.RpcError as e:
+                    code = e.code().name
+                with lock:
+                    results.append(code)
+
+    try:
+        before = d.figures()
+        t0 = time.monotonic()
+        with Sampler(d.proc.pid) as s:
+            threads = [threading.Thread(target=send, args=(i,)) for i in range(senders)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        wall = time.monotonic() - t0
+        after = d.figures()
+        _, text = http_get(d.url + "/metrics")
+        counters = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.decode().splitlines()
+                    if line.startswith(("slatrace_requests_pending_overflow_total", "slatrace_otlp_rejected",
+                                        "slatrace_otlp_spans_received_total"))}
+    finally:
+        d.stop()
+    return {"attack": "grpc_flood", "exports": senders * exports, "spans": senders * exports * per_export,
+            "codes": {c: results.count(c) for c in sorted(set(results))}, "wall_s": wall,
+            "cpu_s": after["cpu_s"] - before["cpu_s"], "peak_threads": s.peak.get("threads"),
+            "peak_rss_growth_mib": s.peak.get("rss_mib", 0) - before["rss_mib"], "counters": counters}
+
+
 ATTACKS = {"crowd": crowd, "slowloris": slowloris, "resets": resets, "big_spans": big_spans,
-           "nan_spans": nan_spans, "sighup": sighup}
+           "nan_spans": nan_spans, "sighup": sighup, "grpc_flood": grpc_flood}
 
 
 def main(argv: list[str] | None = None) -> int:
