@@ -6,8 +6,9 @@ per run). The sysctl kernel.bpf_stats_enabled is global and outlives the agent
 if it is killed; the bpf(2) command BPF_ENABLE_STATS instead returns an fd,
 the kernel counts its holders, and stats go off when the last fd closes — on
 SIGKILL too. The agent holds such an fd only while sampling (by default 1 s
-every 60 s), so its self-cost counters move in samples and the ratio
-run_seconds / events is the per-event cost. Needs CAP_SYS_ADMIN.
+every 60 s, or one window on SIGUSR1), so its self-cost counters move in
+samples and the ratio run_seconds / events is the per-event cost. Needs
+CAP_SYS_ADMIN.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import platform
 import threading
+import time
 
 __all__ = ["BPF_ENABLE_STATS", "BpfStatsSampler", "StatsUnavailable", "enable_run_time_stats"]
 
@@ -58,7 +60,7 @@ def enable_run_time_stats() -> int:
 
 class BpfStatsSampler:
     """Holds a BPF_ENABLE_STATS fd for `window_s` every `period_s` ("sampled"),
-    for the whole run ("always"), or never ("off")."""
+    for the whole run ("always"), or only when asked ("off"; `request()`)."""
 
     def __init__(self, mode: str = "sampled", period_s: float = 60.0, window_s: float = 1.0,
                  enable=enable_run_time_stats) -> None:
@@ -72,6 +74,7 @@ class BpfStatsSampler:
         self._enable = enable
         self._fd: int | None = None
         self._stop = threading.Event()
+        self._asked = threading.Event()
         self._thread: threading.Thread | None = None
         self.samples = 0
         self.failed: str | None = None
@@ -81,13 +84,15 @@ class BpfStatsSampler:
         return self._fd is not None
 
     def start(self) -> None:
-        if self.mode == "off":
-            return
         if self.mode == "always":
             self._open()
             return
         self._thread = threading.Thread(target=self._run, name="bpf-stats", daemon=True)
         self._thread.start()
+
+    def request(self) -> None:
+        """One sampling window now, whatever the mode (SIGUSR1): sets a flag only."""
+        self._asked.set()
 
     def _open(self) -> bool:
         try:
@@ -105,16 +110,27 @@ class BpfStatsSampler:
             os.close(self._fd)
             self._fd = None
 
+    def _sample(self) -> None:
+        if self._fd is None and self._open():
+            self.samples += 1
+            self._stop.wait(self.window_s)
+            self._close()
+
     def _run(self) -> None:
+        next_at = time.monotonic() if self.mode == "sampled" else float("inf")
         while not self._stop.is_set():
-            if self._open():
-                self.samples += 1
-                self._stop.wait(self.window_s)
-                self._close()
-            self._stop.wait(self.period_s - self.window_s)
+            if time.monotonic() >= next_at:
+                self._sample()
+                next_at += self.period_s
+            wait = None if next_at == float("inf") else max(0.0, next_at - time.monotonic())
+            if self._asked.wait(wait):
+                self._asked.clear()
+                if not self._stop.is_set():
+                    self._sample()
 
     def stop(self) -> None:
         self._stop.set()
+        self._asked.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
             self._thread = None

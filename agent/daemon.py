@@ -239,6 +239,10 @@ class Daemon:
         self.config = new
         self.state.config = new
 
+    def sample_bpf_stats(self) -> None:
+        """One BPF-stats sampling window now (SIGUSR1); safe in a signal handler."""
+        self._bpf_stats.request()
+
     def housekeeping(self) -> None:
         """Every few seconds, off the collection path."""
         seen = set(self.store.totals())
@@ -344,9 +348,13 @@ def run(config: Config, options: RunOptions) -> int:
     def on_hangup(signum, frame) -> None:
         reloader.request()
 
+    def on_usr1(signum, frame) -> None:
+        daemon.sample_bpf_stats()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
+    signal.signal(signal.SIGUSR1, on_usr1)
     reloader.start()
     try:
         daemon.start()

@@ -161,3 +161,40 @@ def test_an_slo_of_an_unseen_service_is_not_exported_as_holding():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_bpf_stats_sampler_holds_the_fd_per_mode_and_on_request():
+    import os
+    import time
+
+    from agent.bpf_stats import BpfStatsSampler
+
+    opened: list[int] = []
+
+    def fake_enable() -> int:
+        fd = os.open("/dev/null", os.O_RDONLY)
+        opened.append(fd)
+        return fd
+
+    off = BpfStatsSampler("off", period_s=60, window_s=0.2, enable=fake_enable)
+    off.start()
+    time.sleep(0.1)
+    assert not off.enabled and opened == []
+    off.request()
+    time.sleep(0.1)
+    assert off.enabled and len(opened) == 1
+    time.sleep(0.3)
+    assert not off.enabled
+    off.stop()
+
+    sampled = BpfStatsSampler("sampled", period_s=0.3, window_s=0.1, enable=fake_enable)
+    sampled.start()
+    time.sleep(1.0)
+    sampled.stop()
+    assert 3 <= sampled.samples <= 4 and not sampled.enabled
+
+    always = BpfStatsSampler("always", enable=fake_enable)
+    always.start()
+    assert always.enabled
+    always.stop()
+    assert not always.enabled
