@@ -25,7 +25,7 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
 
 def install(names: list[str]) -> None:
     if platform.machine() != "x86_64":
-        raise SystemExit("seccomp helper: x86_64 only")
+        raise SystemExit("seccomp: x86_64 only")
     prog = [_insn(0x20, 0, 0, 4),                                   # A = arch
             _insn(0x15, 1, 0, AUDIT_ARCH_X86_64),                   # arch ok: skip the next
             _insn(0x06, 0, 0, RET_ALLOW),
@@ -40,7 +40,7 @@ def install(names: list[str]) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
             libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fbuf, 0, 0) != 0:
-        raise SystemExit(f"seccomp helper: prctl failed: {os.strerror(ctypes.get_errno())}")
+        raise SystemExit(f"seccomp: prctl failed: {os.strerror(ctypes.get_errno())}")
 
 
 def main() -> None:
