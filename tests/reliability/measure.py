@@ -56,7 +56,9 @@ class Daemon:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the agent exited: {self.output()}")
+                out = self.output()
+                self.stop()
+                raise RuntimeError(f"the agent exited: {out}")
             try:
                 if http_get(self.url + "/readyz", timeout=1.0)[0] == 200:
                     return
