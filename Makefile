@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup setup-test run test test-unit bench bench-footprint clean
+.PHONY: setup setup-test run test test-unit test-reliability bench bench-footprint clean
 
 setup:
 	scripts/setup.sh
@@ -17,6 +17,11 @@ run: setup
 
 test: setup-test
 	$(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS) tests
+
+# The reliability tier at full size: the fast attacks also run in `make test`;
+# this adds the long ones against the real daemon (a few minutes, root).
+test-reliability: setup-test
+	SLATRACE_LONG=1 SLATRACE_REQUIRE_KERNEL=1 $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS) tests/reliability
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -q tests/unit

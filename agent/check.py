@@ -23,9 +23,10 @@ class Check:
 def run_checks(proc: Path = Path("/proc")) -> list[Check]:
     checks: list[Check] = []
 
+    status = (proc / "self" / "status").read_text()
     try:
-        feat.check_privileges((proc / "self" / "status").read_text())
-        checks.append(Check("privileges", True, "root or CAP_BPF+CAP_PERFMON"))
+        feat.check_privileges(status)
+        checks.append(Check("privileges", True, "CAP_SYS_ADMIN, or CAP_BPF and CAP_PERFMON"))
     except feat.FeatureError as e:
         checks.append(Check("privileges", False, str(e)))
 
@@ -39,10 +40,20 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
                         "no kernel headers at /lib/modules/$(uname -r)/build: run 'make setup' (links "
                         "Debian's linux-headers-amd64) or set BCC_KERNEL_SOURCE"))
 
+    # The kernel is asked for real: a map is created and closed whatever the
+    # capability check above concluded, so a seccomp filter or an LSM shows.
+    err = feat.try_bpf_map()
+    checks.append(Check("bpf-map", not err, "created and closed a BPF array map" if not err else
+                        feat.refusal("creating a BPF map (bpf())", err, status)))
+
     tracefs = feat.find_tracefs()
     checks.append(Check("tracefs", tracefs is not None, f"mounted at {tracefs}" if tracefs else
-                        "tracefs is not mounted or not readable: as root, mount -t tracefs nodev "
-                        "/sys/kernel/tracing"))
+                        feat.tracefs_problem(mounts_text=(proc / "mounts").read_text())))
+    if tracefs is not None:
+        err = feat.try_tracepoint_event(tracefs)
+        checks.append(Check("perf-event", not err, "opened and closed a sched_switch tracepoint event" if not err
+                            else feat.refusal("opening the sched_switch tracepoint (perf_event_open())", err,
+                                              status)))
     if tracefs is not None:
         for tp in feat.TRACEPOINTS:
             present = feat.exists(tracefs / "events" / "sched" / tp / "format")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import math
+import reprlib
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,8 +27,10 @@ __all__ = [
     "parse_config",
 ]
 
+MIN_INTERVAL_S = 0.1   # below it, polling the maps would take a core
 MAX_INTERVAL_S = 60.0
 DEFAULT_MAX_SERVICES = 1000
+MAX_RETENTION_S = 7 * 86400.0
 
 
 class ConfigError(Exception):
@@ -154,30 +157,26 @@ def parse_config(data: Any, source: str) -> Config:
         return Config()
     top = _mapping(data, source, "", "the top level", _TOP_KEYS)
     interval = _number(top, "interval", source, default=1.0)
-    if not 0 < interval <= MAX_INTERVAL_S:
-        raise ConfigError(
-            f"{source}: interval: must be more than 0 and at most {MAX_INTERVAL_S:g} seconds, "
-            f"got {interval!r}"
-        )
+    problem = interval_problem(interval)
+    if problem:
+        raise ConfigError(f"{source}: interval: {problem}")
     retention = _number(top, "retention", source, default=900.0)
-    if retention < interval:
-        raise ConfigError(
-            f"{source}: retention: must be at least the interval ({interval:g} s), "
-            f"got {retention!r}"
-        )
+    problem = retention_problem(retention, interval)
+    if problem:
+        raise ConfigError(f"{source}: retention: {problem}")
     max_services = top.get("max_services")
     if max_services is None:
         max_services = DEFAULT_MAX_SERVICES
     if not _is_int(max_services) or max_services < 1:
         raise ConfigError(
-            f"{source}: max_services: expected a whole number of at least 1, got {max_services!r}"
+            f"{source}: max_services: expected a whole number of at least 1, got {_short(max_services)}"
         )
     per_octave = top.get("buckets_per_octave")
     if per_octave is None:
         per_octave = DEFAULT_BUCKETS_PER_OCTAVE
     if not _is_int(per_octave) or per_octave not in BUCKETS_PER_OCTAVE:
         choices = ", ".join(str(n) for n in BUCKETS_PER_OCTAVE)
-        raise ConfigError(f"{source}: buckets_per_octave: expected one of {choices}, got {per_octave!r}")
+        raise ConfigError(f"{source}: buckets_per_octave: expected one of {choices}, got {_short(per_octave)}")
     rules = tuple(
         _service_rule(item, source, f"services[{i}]")
         for i, item in enumerate(_sequence(top, "services", source))
@@ -213,18 +212,46 @@ def _histogram_glob(item: Any, source: str, where: str) -> str:
     return item
 
 
+def interval_problem(value: float) -> str | None:
+    """Why `value` is no usable interval (None when it is); shared by the file and the flags."""
+    if not _is_number(value) or not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:
+        return (f"must be a number of seconds from {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g}, "
+                f"got {_short(value)}")
+    return None
+
+
+def retention_problem(value: float, interval: float) -> str | None:
+    if not _is_number(value) or not interval <= value <= MAX_RETENTION_S:
+        return (f"must be a number of seconds from the interval ({interval:g} s) to "
+                f"{MAX_RETENTION_S:g}, got {_short(value)}")
+    return None
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 4
+_REPR.maxlevel = 2
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters: an error message quotes, never
+    expands, what it was given (a YAML alias can stand for gigabytes)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _service_rule(item: Any, source: str, where: str) -> ServiceRule:
     m = _mapping(item, source, where, "a service rule", _RULE_KEYS)
     name = m.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(
             f"{source}: {where}.name: expected the service name as a non-empty string, "
-            f"got {name!r}"
+            f"got {_short(name)}"
         )
     given = [k for k in _RULE_MATCHERS if m.get(k) is not None]
     if not given:
         raise ConfigError(
-            f"{source}: {where}: service {name!r} has no matcher; "
+            f"{source}: {where}: service {_short(name)} has no matcher; "
             f"add one of {', '.join(_RULE_MATCHERS)}"
         )
     values: dict[str, Any] = {}
@@ -234,17 +261,17 @@ def _service_rule(item: Any, source: str, where: str) -> ServiceRule:
             if not _is_int(value) or value < 1:
                 raise ConfigError(
                     f"{source}: {where}.pid: expected a process id (a whole number >= 1), "
-                    f"got {value!r}"
+                    f"got {_short(value)}"
                 )
         elif not isinstance(value, str) or not value:
             raise ConfigError(
                 f"{source}: {where}.{key}: expected a string ({_MATCHER_HINTS[key]}), "
-                f"got {value!r}"
+                f"got {_short(value)}"
             )
         elif key == "cgroup" and not value.startswith("/"):
             raise ConfigError(
                 f"{source}: {where}.cgroup: the glob must be an absolute cgroup v2 path; "
-                f"write '/{value}' or '/**/{value}' instead of {value!r}"
+                f"write '/{value}' or '/**/{value}' instead of {_short(value)}"
             )
         elif key == "cgroup":
             try:
@@ -263,7 +290,7 @@ def _slo(item: Any, source: str, where: str) -> Slo:
     if not isinstance(service, str) or not service.strip():
         raise ConfigError(
             f"{source}: {where}.service: expected the service name as a non-empty string, "
-            f"got {service!r}"
+            f"got {_short(service)}"
         )
     targets: dict[str, float] = {}
     for key in _SLO_TARGETS:
@@ -272,12 +299,12 @@ def _slo(item: Any, source: str, where: str) -> Slo:
             continue
         if not _is_number(value) or value <= 0:
             raise ConfigError(
-                f"{source}: {where}.{key}: expected a positive number of seconds, got {value!r}"
+                f"{source}: {where}.{key}: expected a positive number of seconds, got {_short(value)}"
             )
         targets[key] = float(value)
     if not targets:
         raise ConfigError(
-            f"{source}: {where}: the SLO of {service!r} sets no target; "
+            f"{source}: {where}: the SLO of {_short(service)} sets no target; "
             f"add one of {', '.join(_SLO_TARGETS)}"
         )
     return Slo(service=service, **targets)
@@ -288,11 +315,11 @@ def _mapping(
 ) -> dict[str, Any]:
     prefix = f"{source}: {where}: " if where else f"{source}: "
     if not isinstance(value, dict):
-        raise ConfigError(f"{prefix}expected {what} as a mapping of keys, got {value!r}")
+        raise ConfigError(f"{prefix}expected {what} as a mapping of keys, got {_short(value)}")
     for key in value:
         if key not in known:
             raise ConfigError(
-                f"{prefix}unknown key {key!r} (known keys: {', '.join(known)})"
+                f"{prefix}unknown key {_short(key)} (known keys: {', '.join(known)})"
             )
     return value
 
@@ -303,7 +330,7 @@ def _sequence(top: dict[str, Any], key: str, source: str) -> list[Any]:
         return []
     if not isinstance(value, list):
         raise ConfigError(
-            f"{source}: {key}: expected a list (each item starting with '- '), got {value!r}"
+            f"{source}: {key}: expected a list (each item starting with '- '), got {_short(value)}"
         )
     return value
 
@@ -313,7 +340,7 @@ def _number(top: dict[str, Any], key: str, source: str, default: float) -> float
     if value is None:  # `interval:` with nothing after it means the default, as for lists
         return default
     if not _is_number(value):
-        raise ConfigError(f"{source}: {key}: expected a number of seconds, got {value!r}")
+        raise ConfigError(f"{source}: {key}: expected a number of seconds, got {_short(value)}")
     return value  # as written, so range errors quote the user's own number
 
 

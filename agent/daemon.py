@@ -21,7 +21,8 @@ from prometheus_client.registry import CollectorRegistry
 from agent.api.routes import AgentState, Api
 from agent.attribution.attribution import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
-from agent.api.server import HttpServer, parse_listen
+from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
+from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.export.figures import HistogramPoint, Sources, summed
 from agent.export.prometheus import SlatraceCollector
@@ -31,6 +32,7 @@ from agent.identity.kthreads import kernel_thread_tids
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
+from agent.reload import ConfigReloader
 from agent.store.events import EventLog
 from agent.store.histogram import classic_bounds
 from agent.store.store import Store
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slatrace")
 
-BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 # How often exact wait events of watched services are drained from the ring
 # buffer: bounds both the buffer's fill and the delay before a request is
 # attributed.
@@ -64,31 +65,10 @@ class RunOptions:
     otlp_endpoint: str | None = None
     # --otlp-protocol; None defers to OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL, else grpc.
     otlp_protocol: str | None = None
-
-
-class BpfStats:
-    """Turns kernel.bpf_stats_enabled on while the agent runs, if it was off,
-    so the per-program cost counters move; restores it on exit."""
-
-    def __init__(self, path: Path = BPF_STATS) -> None:
-        self._path = path
-        self._restore: str | None = None
-
-    def enable(self) -> None:
-        try:
-            if self._path.read_text().strip() == "0":
-                self._path.write_text("1")
-                self._restore = "0"
-        except OSError as e:
-            log.warning("cannot enable kernel.bpf_stats_enabled (%s): BPF self-cost metrics stay at zero", e)
-
-    def restore(self) -> None:
-        if self._restore is not None:
-            try:
-                self._path.write_text(self._restore)
-            except OSError as e:
-                log.warning("cannot restore kernel.bpf_stats_enabled: %s", e)
-            self._restore = None
+    # What SIGHUP reloads: the file, with the command line's flags on top.
+    config_path: str | None = None
+    config_overrides: tuple[tuple[str, float], ...] = ()
+    bpf_stats: str = "sampled"  # --bpf-stats: sampled (1 s a minute), always, off
 
 
 class Daemon:
@@ -115,14 +95,16 @@ class Daemon:
                                 breaches_between=self.breaches.between)
         # One family per metric name: request SLO breaches (counted by the
         # traces subsystem) are added to interval breaches here.
-        self.registry.register(SlatraceCollector(self.store, self._self_metrics, sources=Sources(
+        self._collector = SlatraceCollector(self.store, self._self_metrics, sources=Sources(
             slos=config.slos, bounds=classic_bounds(config.buckets_per_octave),
             histograms=config.histogram_globs(),
             throttled_seconds=self.throttle.totals,
             slo_breaches=summed(self.breaches.totals, self._request_breaches),
-            request_sched_delay=self._request_delays, request_slos=self._request_slos)))
+            request_sched_delay=self._request_delays, request_slos=self._request_slos))
+        self.registry.register(self._collector)
         self._probe = None
-        self._bpf_stats = BpfStats()
+        self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
+        self._slo_warnings = UnknownSloWarnings()
         self._server: HttpServer | None = None
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
@@ -170,8 +152,10 @@ class Daemon:
         except feat.FeatureError as e:
             raise StartupError(str(e)) from None
         self._otlp_metrics = self._make_otlp_metrics()
+        raise_fd_limit()
         self._server = HttpServer(host, port, Api(self.state))
         self._server.start()
+        self.registry.register(ServerCollector(self._server))
         log.info("listening on http://%s:%d", host, self._server.port)
 
         from agent.probe.loader import Probe  # noqa: PLC0415  (imports bcc)
@@ -184,7 +168,7 @@ class Daemon:
                                "which prerequisite is missing") from None
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
         self._release_compiler_memory()
-        self._bpf_stats.enable()
+        self._bpf_stats.start()
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()
         self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services,
@@ -215,10 +199,9 @@ class Daemon:
     def _start_traces(self, cgroups: CgroupPaths) -> None:
         from agent.traces.runtime import Traces  # noqa: PLC0415
 
-        rule_names = {r.name for r in self.config.services}
         try:
             self._traces = Traces(self.config, self.request_sched, cgroups, self._resolver.service_of,
-                                  lambda: rule_names | set(self.store.totals()),
+                                  lambda: {r.name for r in self.config.services} | set(self.store.totals()),
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
                                   otlp_protocol=getattr(self.options, "otlp_protocol", None))
@@ -244,6 +227,30 @@ class Daemon:
         # Its success/failure counters show in /metrics next to what it exports.
         self.registry.register(exporter.collector())
         return exporter
+
+    def apply_config(self, new: Config) -> None:
+        """Services and SLOs of a reloaded config, everywhere they are read."""
+        if self._resolver is not None and new.services != self.config.services:
+            self._resolver.set_rules(new.services)
+        if new.slos != self.config.slos:
+            self.breaches.slos = new.slos
+            self._collector.update_sources(slos=new.slos)
+            if self._traces is not None:
+                self._traces.pipeline.set_slos(new.slos)
+            self._slo_warnings.reset()
+        self.config = new
+        self.state.config = new
+
+    def sample_bpf_stats(self) -> None:
+        """One BPF-stats sampling window now (SIGUSR1); safe in a signal handler."""
+        self._bpf_stats.request()
+
+    def housekeeping(self) -> None:
+        """Every few seconds, off the collection path."""
+        seen = set(self.store.totals())
+        if self._traces is not None:
+            seen |= set(self._traces.counters.requests)
+        self._slo_warnings.check(self.config.slos, seen)
 
     def poll_once(self) -> None:
         t0 = time.monotonic()
@@ -297,7 +304,7 @@ class Daemon:
             self._probe.close()
             self._probe = None
             log.info("BPF programs detached")
-        self._bpf_stats.restore()
+        self._bpf_stats.stop()
         if self._otlp_metrics is not None:
             self._otlp_metrics.stop()
             self._otlp_metrics = None
@@ -306,20 +313,57 @@ class Daemon:
             self._server = None
 
 
+class UnknownSloWarnings:
+    """An SLO names a service that has not been seen for `grace_s`: said once
+    per name (it is not exported until the service appears)."""
+
+    def __init__(self, grace_s: float = 60.0, clock=time.monotonic) -> None:
+        self.grace_s = grace_s
+        self._clock = clock
+        self._since = clock()
+        self._warned: set[str] = set()
+
+    def reset(self) -> None:
+        self._since = self._clock()
+        self._warned.clear()
+
+    def check(self, slos, seen: set[str]) -> list[str]:
+        if self._clock() - self._since < self.grace_s:
+            return []
+        missing = sorted({s.service for s in slos} - seen - self._warned)
+        for name in missing:
+            log.warning("the SLO for service %r matches no service seen in %.0f s: it is not exported until "
+                        "that service appears ('slatrace services' lists the names)", name, self.grace_s)
+        self._warned.update(missing)
+        return missing
+
+
 def run(config: Config, options: RunOptions) -> int:
     daemon = Daemon(config, options)
+    reloader = ConfigReloader(options.config_path, dict(options.config_overrides), lambda: daemon.config,
+                              daemon.apply_config, tick=daemon.housekeeping)
 
     def on_signal(signum, frame) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)
         daemon.stop_event.set()
 
+    def on_hangup(signum, frame) -> None:
+        reloader.request()
+
+    def on_usr1(signum, frame) -> None:
+        daemon.sample_bpf_stats()
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    reloader.start()
     try:
         daemon.start()
         log.info("collecting every %.3g s, keeping %.0f s of history (pid %d)",
                  config.interval, config.retention, os.getpid())
         daemon.loop()
     finally:
+        reloader.stop()
         daemon.close()
     return 0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import parse_qs
@@ -23,10 +24,29 @@ class Response:
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+    close: bool = False  # close the connection after answering
 
 
 def json_response(status: int, doc: dict) -> Response:
-    return Response(status, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
+    """Always valid JSON: a non-finite number (which json.dumps would write as
+    NaN or Infinity) becomes null."""
+    try:
+        text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(finite_only(doc), separators=(",", ":"), allow_nan=False)
+    return Response(status, (text + "\n").encode())
+
+
+def finite_only(value):
+    """`value` with every NaN or infinite float replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_only(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_only(v) for v in value]
+    return value
 
 
 def error(status: int, message: str) -> Response:

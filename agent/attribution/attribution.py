@@ -113,10 +113,11 @@ class SloBreaches:
             for key in broken:
                 self._totals[key] = self._totals.get(key, 0) + 1
                 self._recent.append((end, *key))
-            # Judged services are all listed at 0, so rate() works from the start.
+            # Judged services are listed at 0 once seen, so rate() works from the
+            # start; an SLO of a service never seen is not exported as if it held.
             for slo in self.slos:
                 for name in SCHED_SLOS:
-                    if getattr(slo, name) is not None:
+                    if getattr(slo, name) is not None and slo.service in services:
                         self._totals.setdefault((slo.service, name), 0)
             while self._recent and self._recent[0][0] < end - self.retention_s:
                 self._recent.popleft()

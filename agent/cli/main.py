@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="export OTLP metrics and enriched spans there (default $OTEL_EXPORTER_OTLP_ENDPOINT)")
     run.add_argument("--otlp-protocol", choices=["grpc", "http/protobuf"], default=None,
                      help="OTLP export protocol (default $OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)")
+    run.add_argument("--bpf-stats", default="sampled", choices=["sampled", "always", "off"],
+                     help="per-program cost counters through BPF_ENABLE_STATS: 1 s a minute (default), "
+                          "the whole run, or never; the host's kernel.bpf_stats_enabled is never written")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -78,26 +81,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     # gRPC's C core logs its own copy of errors the agent reports in one
     # sentence (a port in use); keep stderr to that sentence unless asked.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    from agent.config import Config, load_config  # noqa: PLC0415
+    from agent.config import Config, interval_problem, load_config, retention_problem  # noqa: PLC0415
     from agent.daemon import RunOptions, run  # noqa: PLC0415
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = load_config(args.config) if args.config else Config()
     overrides = {}
     if args.interval is not None:
-        if not 0 < args.interval <= 60:
-            raise CliError(f"--interval {args.interval} must be > 0 and <= 60 seconds")
+        problem = interval_problem(args.interval)
+        if problem:
+            raise CliError(f"--interval {problem}")
         overrides["interval"] = args.interval
+    config = load_config(args.config) if args.config else Config()
     if args.retention is not None:
+        problem = retention_problem(args.retention, overrides.get("interval", config.interval))
+        if problem:
+            raise CliError(f"--retention {problem}")
         overrides["retention"] = args.retention
     if overrides:
         from dataclasses import replace  # noqa: PLC0415
         config = replace(config, **overrides)
     if config.retention < config.interval:
-        raise CliError(f"--retention {config.retention} must be at least the interval ({config.interval} s)")
+        raise CliError(f"--retention {config.retention:g} must be at least the interval ({config.interval:g} s)")
     options = RunOptions(listen=args.listen, otlp_grpc_listen=args.otlp_grpc_listen,
                          otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint,
-                         otlp_protocol=args.otlp_protocol)
+                         otlp_protocol=args.otlp_protocol, config_path=args.config,
+                         config_overrides=tuple(overrides.items()), bpf_stats=args.bpf_stats)
     return run(config, options)
 
 

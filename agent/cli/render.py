@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
@@ -11,7 +13,7 @@ def _console() -> Console:
 
 
 def fmt_seconds(value: float | None) -> str:
-    if value is None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
         return "-"
     if value == 0:
         return "0"

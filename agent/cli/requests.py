@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -112,6 +113,7 @@ def _bar(offset: float, length: float, total: float, style: str, width: int = BA
     """A row of the timeline: `length` seconds starting `offset` seconds in."""
     from rich.text import Text  # noqa: PLC0415
 
+    offset, length, total = _finite(offset), _finite(length), _finite(total)
     scale = width / total if total > 0 else 0.0
     start = min(width, int(round(offset * scale)))
     n = min(width - start, max(1 if length > 0 else 0, int(round(length * scale))))
@@ -119,6 +121,11 @@ def _bar(offset: float, length: float, total: float, style: str, width: int = BA
     text.append("█" * n, style=style)
     text.append("·" * (width - start - n))
     return text
+
+
+def _finite(value) -> float:
+    """A drawable number: anything else (None, NaN, infinity, text) draws as 0."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
 def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:

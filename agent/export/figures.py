@@ -187,9 +187,11 @@ REQUEST_SCHED_DELAY = _spec("slatrace_request_sched_delay_seconds", "histogram",
 UNTRACED = _spec("slatrace_untraced_events", "counter",
                  "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
                  "from the event stream); counted, never invented.", ("service", "kind"), "1")
-BPF_EVENTS = _spec("slatrace_bpf_events", "counter", "Runs of each BPF program (kernel BPF stats).",
+BPF_EVENTS = _spec("slatrace_bpf_events", "counter", "Runs of each BPF program, counted while kernel BPF "
+                   "stats are on (by default 1 s a minute, --bpf-stats): a sample, not every run.",
                    ("program",), "1")
-BPF_RUN = _spec("slatrace_bpf_run_seconds", "counter", "Time spent in each BPF program (kernel BPF stats).",
+BPF_RUN = _spec("slatrace_bpf_run_seconds", "counter", "Time spent in each BPF program over the runs "
+                "slatrace_bpf_events counts; their ratio is the cost per run.",
                 ("program",), "s")
 MAP_ERRORS = _spec("slatrace_bpf_map_errors", "counter",
                    "Failed BPF map updates (map full, busy) and dropped events, per map.", ("map",), "1")

@@ -88,6 +88,10 @@ class SlatraceCollector(Collector):
             sources = dataclasses.replace(sources, agent_stats=self_metrics)
         self._sources = sources
 
+    def update_sources(self, **changes) -> None:
+        """Replace some sources (the SLOs after a config reload)."""
+        self._sources = dataclasses.replace(self._sources, **changes)
+
     def collect(self) -> Iterator[Metric]:
         for family in compute(self._store, self._sources):
             # A family with no points still has HELP/TYPE lines; skipping it keeps

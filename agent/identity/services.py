@@ -143,6 +143,11 @@ class _CompiledRule:
     cgroup: re.Pattern[str] | None
 
 
+def _compile(rules: Iterable[ServiceRule]) -> list[_CompiledRule]:
+    return [_CompiledRule(rule=r, cgroup=cgroup_glob_regex(r.cgroup) if r.cgroup is not None else None)
+            for r in rules]
+
+
 # Rule key -> the Identity field it globs; a cgroup without that field (a
 # k8s_pod rule on a systemd unit, a pod whose object is unknown) never matches.
 _IDENTITY_MATCHERS = (
@@ -179,10 +184,7 @@ class ServiceResolver:
         process_info: Callable[[list[int]], list[dict]] = psutil_processes,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._rules = [
-            _CompiledRule(rule=r, cgroup=cgroup_glob_regex(r.cgroup) if r.cgroup is not None else None)
-            for r in rules
-        ]
+        self._rules = _compile(rules)
         self._rule_names = frozenset(c.rule.name for c in self._rules)
         self.pods = pods
         self.docker = docker
@@ -200,6 +202,15 @@ class ServiceResolver:
         # Cached ids of removed cgroups are dropped this often; ids are never reused.
         self.sweep_s = max(60.0, refresh_s)
         self._swept_at = clock()
+
+    def set_rules(self, rules: Iterable[ServiceRule]) -> None:
+        """New naming rules (a config reload): every cgroup is named again on
+        its next lookup."""
+        compiled = _compile(rules)
+        with self._lock:
+            self._rules = compiled
+            self._rule_names = frozenset(c.rule.name for c in compiled)
+            self._cache.clear()
 
     def service_of(self, cgid: int) -> str:
         """The service name of cgroup `cgid` ("unknown" for 0 or a vanished id)."""

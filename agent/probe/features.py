@@ -7,6 +7,8 @@ and reaches the C code as validated -D macros (never by editing C text).
 from __future__ import annotations
 
 import ast
+import ctypes
+import errno
 import os
 import re
 from dataclasses import dataclass
@@ -26,9 +28,20 @@ TRACEPOINTS = (
 )
 
 # Capability bits (linux/capability.h)
+CAP_DAC_OVERRIDE = 1
+CAP_DAC_READ_SEARCH = 2
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
+CAP_NAMES = {CAP_DAC_OVERRIDE: "CAP_DAC_OVERRIDE", CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
+             CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
+
+# bpf(2) and perf_event_open(2) numbers, for the real access probes below.
+_SYSCALLS = {"x86_64": {"bpf": 321, "perf_event_open": 298}, "aarch64": {"bpf": 280, "perf_event_open": 241}}
+BPF_MAP_CREATE = 0
+BPF_MAP_TYPE_ARRAY = 2
+PERF_TYPE_TRACEPOINT = 2
+PERF_FLAG_FD_CLOEXEC = 8
 
 
 class FeatureError(Exception):
@@ -108,19 +121,131 @@ def effective_caps(status_text: str) -> int:
     return int(m.group(1), 16) if m else 0
 
 
-def check_privileges(status_text: str | None = None) -> None:
+def missing_caps(caps: int) -> list[str]:
+    """The capabilities missing to load and attach the programs (none with CAP_SYS_ADMIN)."""
+    if caps >> CAP_SYS_ADMIN & 1:
+        return []
+    return [CAP_NAMES[bit] for bit in (CAP_BPF, CAP_PERFMON) if not caps >> bit & 1]
+
+
+def check_privileges(status_text: str | None = None, euid: int | None = None) -> None:
     status_text = status_text if status_text is not None else Path("/proc/self/status").read_text()
-    caps = effective_caps(status_text)
-
-    def has(bit: int) -> bool:
-        return bool(caps >> bit & 1)
-
-    if has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON)):
+    missing = missing_caps(effective_caps(status_text))
+    if not missing:
         return
+    names = " and ".join(missing)
+    euid = os.geteuid() if euid is None else euid
+    if euid == 0:
+        raise FeatureError(
+            f"slatrace runs as uid 0 but without {names}, which loading BPF programs needs (a container "
+            f"drops them by default): add {names} to the container's capabilities (CAP_SYS_ADMIN also "
+            "works, and is needed on kernels before 5.8)")
     raise FeatureError(
-        "slatrace needs root or the capabilities CAP_BPF and CAP_PERFMON (CAP_SYS_ADMIN on "
-        "older kernels) to load BPF programs: run it as root, or grant those capabilities to its process or container"
-    )
+        f"slatrace runs as uid {euid} without {names}, which loading BPF programs needs: grant {names} "
+        "(and CAP_DAC_READ_SEARCH to read tracefs), e.g. with systemd's AmbientCapabilities=, or run it as root")
+
+
+def seccomp_mode(status_text: str) -> int:
+    m = re.search(r"^Seccomp:\s*(\d)", status_text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def tracefs_problem(candidates: tuple[Path, ...] = TRACEFS_CANDIDATES,
+                    mounts_text: str | None = None) -> str | None:
+    """Why no tracefs is usable, in one sentence (None when one is)."""
+    if find_tracefs(candidates) is not None:
+        return None
+    mounts_text = mounts_text if mounts_text is not None else Path("/proc/mounts").read_text()
+    mounted = [Path(line.split()[1]) for line in mounts_text.splitlines()
+               if len(line.split()) > 2 and line.split()[2] == "tracefs"]
+    for path in mounted:
+        try:
+            (path / "events" / "sched" / "sched_switch" / "format").open().close()
+        except PermissionError:
+            try:
+                mode = f"mode {path.stat().st_mode & 0o777:04o}"
+            except OSError:
+                mode = "not readable"
+            return (f"tracefs is mounted at {path} but this process may not read it ({mode}): a non-root uid "
+                    "needs CAP_DAC_READ_SEARCH besides CAP_BPF and CAP_PERFMON to read the tracepoint formats")
+        except OSError:
+            continue
+    if mounted:
+        return (f"tracefs is mounted at {mounted[0]} but has no sched:sched_switch event: the kernel lacks "
+                "scheduler tracepoints (CONFIG_TRACEPOINTS)")
+    return ("tracefs is not mounted, so the scheduler tracepoints cannot be found: mount it with "
+            "'mount -t tracefs nodev /sys/kernel/tracing' (make setup does this)")
+
+
+def _syscall(name: str, *args) -> int:
+    """The syscall's result, or -errno."""
+    nr = _SYSCALLS.get(os.uname().machine, {}).get(name)
+    if nr is None:
+        return -errno.ENOSYS
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    res = libc.syscall(ctypes.c_long(nr), *args)
+    return res if res >= 0 else -ctypes.get_errno()
+
+
+def try_bpf_map() -> int:
+    """Create (and close) a one-slot BPF array map: 0, or the errno that refused it."""
+    attr = (ctypes.c_uint32 * 32)(BPF_MAP_TYPE_ARRAY, 4, 4, 1)  # type, key size, value size, entries
+    fd = _syscall("bpf", ctypes.c_int(BPF_MAP_CREATE), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+    if fd < 0:
+        return -fd
+    os.close(fd)
+    return 0
+
+
+def try_tracepoint_event(tracefs: Path, event: str = "sched/sched_switch") -> int:
+    """Open (and close) a perf event on a tracepoint on CPU 0, as attaching a
+    program to it does: 0, or the errno that refused it."""
+    try:
+        tp_id = int((tracefs / "events" / event / "id").read_text())
+    except PermissionError:
+        return errno.EACCES
+    except (OSError, ValueError):
+        return errno.ENOENT
+    attr = (ctypes.c_uint64 * 16)()
+    attr[0] = PERF_TYPE_TRACEPOINT | (ctypes.sizeof(attr) << 32)  # type, size
+    attr[1] = tp_id                                                # config
+    attr[5] = 1                                                    # flags: disabled
+    fd = _syscall("perf_event_open", ctypes.byref(attr), ctypes.c_int(-1), ctypes.c_int(0), ctypes.c_int(-1),
+                  ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC))
+    if fd < 0:
+        return -fd
+    os.close(fd)
+    return 0
+
+
+def refusal(what: str, err: int, status_text: str) -> str:
+    """Name what blocked `what` (a failed bpf() or perf_event_open()) in one sentence."""
+    caps = effective_caps(status_text)
+    missing = missing_caps(caps)
+    if err in (errno.EPERM, errno.EACCES):
+        if missing:
+            return f"{what} was refused: this process lacks {' and '.join(missing)}"
+        if seccomp_mode(status_text) == 2:
+            return (f"{what} was refused although the process holds the capabilities: a seccomp filter blocks it "
+                    "(the containers-common profile of CRI-O and podman allows bpf() only with CAP_SYS_ADMIN); "
+                    "run under a profile that allows bpf and perf_event_open, e.g. containerd's RuntimeDefault")
+        return (f"{what} was refused although the process holds the capabilities: check "
+                "kernel.unprivileged_bpf_disabled, kernel.perf_event_paranoid and any LSM (SELinux, AppArmor) policy")
+    if err == errno.ENOSYS:
+        return f"{what} is not available: the kernel lacks it or a seccomp filter answers ENOSYS"
+    return f"{what} failed: {os.strerror(err)}"
+
+
+def check_kernel_access(tracefs: Path, status_text: str | None = None) -> None:
+    """Really create a BPF map and open a tracepoint event; FeatureError naming what blocks either."""
+    status_text = status_text if status_text is not None else Path("/proc/self/status").read_text()
+    err = try_bpf_map()
+    if err:
+        raise FeatureError(refusal("creating a BPF map (bpf())", err, status_text))
+    err = try_tracepoint_event(tracefs)
+    if err:
+        raise FeatureError(refusal("opening the sched_switch tracepoint (perf_event_open())", err, status_text))
 
 
 def detect() -> Features:
@@ -128,10 +253,7 @@ def detect() -> Features:
     check_privileges()
     tracefs = find_tracefs()
     if tracefs is None:
-        raise FeatureError(
-            "tracefs is not mounted, so the scheduler tracepoints cannot be found: "
-            "mount it with 'mount -t tracefs nodev /sys/kernel/tracing' (make setup does this)"
-        )
+        raise FeatureError(tracefs_problem())
     for tp in TRACEPOINTS:
         if not exists(tracefs / "events" / "sched" / tp / "format"):
             raise FeatureError(f"the kernel has no sched:{tp} tracepoint, which slatrace needs "
@@ -141,6 +263,7 @@ def detect() -> Features:
     except (OSError, ValueError) as e:
         raise FeatureError(f"cannot read the preemption flag from sched_switch's format ({e}); "
                            "this kernel's tracepoint layout is not supported") from None
+    check_kernel_access(tracefs)
     mount = find_cgroup2_mount(Path("/proc/mounts").read_text())
     if mount is None:
         raise FeatureError("no cgroup v2 hierarchy is mounted, and services are told apart by their "

@@ -7,7 +7,8 @@ choose from OTEL_EXPORTER_OTLP_PROTOCOL). Protobuf spans become SDK
 ReadableSpans with their trace id, span id, parent, kind, status, events and
 links kept, so the collector sees the original span plus, for requests, the
 `slatrace.*` attributes. A batch that fails is retried with backoff a few
-times, then counted as dropped; a full queue drops and counts at once.
+times, then counted as dropped; a full queue (by count or by bytes) drops
+and counts at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 _KINDS = {1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
 _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
+_SPAN_OVERHEAD = 512  # bytes a queued span costs beside its protobuf size
 
 
 def make_exporter(endpoint: str, protocol: str | None = None, timeout_s: float = 5.0) -> SpanExporter:
@@ -95,11 +97,14 @@ def to_readable_span(rs: ResourceSpans, ss: ScopeSpans, span: Span, extra: dict 
 
 class Forwarder(SpanSink):
     def __init__(self, exporter: SpanExporter, counters: TraceCounters, *, max_queue: int = 20_000,
-                 max_batch: int = 512, flush_s: float = 0.2, retries: int = 3, backoff_s: float = 0.5,
+                 max_bytes: int = 64 << 20, max_batch: int = 512, flush_s: float = 0.2, retries: int = 3, backoff_s: float = 0.5,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self._exporter = exporter
         self._counters = counters
         self._queue: queue.Queue = queue.Queue(max_queue)
+        self.max_bytes = max_bytes  # of queued spans (protobuf size), so a few huge spans cannot fill memory
+        self._bytes = 0
+        self._bytes_lock = threading.Lock()
         self.max_batch = max_batch
         self.flush_s = flush_s
         self.retries = retries
@@ -110,10 +115,25 @@ class Forwarder(SpanSink):
 
     def forward(self, resource_spans: ResourceSpans, scope_spans: ScopeSpans, span: Span,
                 extra: dict | None = None) -> None:
+        size = span.ByteSize() + _SPAN_OVERHEAD
+        with self._bytes_lock:
+            if self._bytes + size > self.max_bytes:
+                self._counters.add_forward_dropped("queue_full", 1)
+                return
+            self._bytes += size
         try:
-            self._queue.put_nowait((resource_spans, scope_spans, span, extra))
+            self._queue.put_nowait((resource_spans, scope_spans, span, extra, size))
         except queue.Full:
+            self._release(size)
             self._counters.add_forward_dropped("queue_full", 1)
+
+    def _release(self, size: int) -> None:
+        with self._bytes_lock:
+            self._bytes -= size
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="otlp-forward", daemon=True)
@@ -123,7 +143,10 @@ class Forwarder(SpanSink):
         while not (self._stop.is_set() and self._queue.empty()):
             batch = self._take()
             if batch:
-                self.send(batch)
+                try:
+                    self.send([entry[:4] for entry in batch])
+                finally:
+                    self._release(sum(entry[4] for entry in batch))
 
     def _take(self) -> list[tuple]:
         try:

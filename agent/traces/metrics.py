@@ -49,6 +49,8 @@ class TraceCounters:
         self.forward_dropped: dict[str, int] = {}   # reason -> spans not forwarded
         self._delay: dict[str, tuple[list[int], list[float]]] = {}  # service -> (bucket counts, [sum])
         self.pending = 0
+        self.truncated_attributes = 0               # attribute values cut to Limits.max_attribute_length
+        self.store_evicted = 0                      # finished requests dropped from the store before their age
 
     def add_received(self, transport: str, spans: int) -> None:
         with self._lock:
@@ -74,6 +76,15 @@ class TraceCounters:
                 counts, total = self._delay.setdefault(service, ([0] * (len(self._bounds) + 1), [0.0]))
                 counts[bisect.bisect_left(self._bounds, runq_wait_s)] += 1
                 total[0] += runq_wait_s
+
+    def add_truncated(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.truncated_attributes += n
+
+    def add_store_evicted(self, n: int) -> None:
+        with self._lock:
+            self.store_evicted += n
 
     def add_forwarded(self, n: int) -> None:
         with self._lock:
@@ -136,6 +147,7 @@ class TraceCollector(Collector):
             requests = dict(c.requests)
             forward_dropped = dict(c.forward_dropped)
             forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
+            truncated, store_evicted = c.truncated_attributes, c.store_evicted
 
         spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
                                     "receivers.", labels=["transport"])
@@ -143,7 +155,7 @@ class TraceCollector(Collector):
             spans.add_metric([transport], n)
         yield spans
         refused = CounterMetricFamily("slatrace_otlp_rejected_requests", "OTLP export requests refused, by "
-                                      "reason (malformed, too_large, unsupported, ...).", labels=["transport", "reason"])
+                                      "reason (malformed, too_large, unsupported, overloaded, ...).", labels=["transport", "reason"])
         for (transport, reason), n in sorted(rejected.items()):
             refused.add_metric([transport, reason], n)
         yield refused
@@ -158,6 +170,11 @@ class TraceCollector(Collector):
                                   "their end was covered because too many were pending.", value=pending_dropped)
         yield CounterMetricFamily("slatrace_otlp_forwarded_spans", "Spans forwarded to --otlp-endpoint.",
                                   value=forwarded)
+        yield CounterMetricFamily("slatrace_otlp_truncated_attributes", "Attribute values cut to the "
+                                  "receivers' length limit.", value=truncated)
+        yield CounterMetricFamily("slatrace_requests_evicted", "Finished requests dropped from the API's "
+                                  "store before the retention, to keep it within its count and byte budget.",
+                                  value=store_evicted)
         dropped = CounterMetricFamily("slatrace_otlp_forward_dropped_spans", "Spans not forwarded, by reason "
                                       "(queue_full, export_failed).", labels=["reason"])
         for reason, n in sorted(forward_dropped.items()):

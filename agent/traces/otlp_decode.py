@@ -32,6 +32,7 @@ __all__ = [
     "decode_json",
     "decode_protobuf",
     "gunzip",
+    "truncate_attributes",
 ]
 
 MiB = 1 << 20
@@ -44,6 +45,9 @@ class Limits:
     max_body_bytes: int = 4 * MiB          # on the wire (compressed or not)
     max_decompressed_bytes: int = 16 * MiB  # after gunzip: a bomb stops here
     max_spans: int = 10_000                 # per export request
+    # Longer string (characters) or bytes attribute values are cut to this length
+    # and counted, so a span's size on the agent stays bounded whatever it carries.
+    max_attribute_length: int = 8192
 
 
 class DecodeError(ValueError):
@@ -179,3 +183,46 @@ def _rewrite_ids(obj: Any, where: str) -> None:
         except ValueError:
             raise DecodeError(400, f"{where}.{key} {value[:40]!r} is not hex (OTLP/JSON ids are hex strings)") from None
         obj[key] = base64.b64encode(raw).decode("ascii")
+
+
+def truncate_attributes(req: ExportTraceServiceRequest, limit: int) -> int:
+    """Cut every string or bytes attribute value (resource, scope, span, event,
+    link; nested arrays and maps too) to `limit`, in place; returns how many
+    values were cut. A span no larger than `limit` bytes is skipped unread."""
+    if req.ByteSize() <= limit:
+        return 0
+    cut = 0
+    for rs in req.resource_spans:
+        cut += _truncate_kvs(rs.resource.attributes, limit)
+        for ss in rs.scope_spans:
+            cut += _truncate_kvs(ss.scope.attributes, limit)
+            for span in ss.spans:
+                if span.ByteSize() <= limit:
+                    continue
+                cut += _truncate_kvs(span.attributes, limit)
+                for event in span.events:
+                    cut += _truncate_kvs(event.attributes, limit)
+                for link in span.links:
+                    cut += _truncate_kvs(link.attributes, limit)
+    return cut
+
+
+def _truncate_kvs(kvs, limit: int) -> int:
+    return sum(_truncate_value(kv.value, limit) for kv in kvs)
+
+
+def _truncate_value(value, limit: int) -> int:
+    if value.ByteSize() <= limit:
+        return 0
+    kind = value.WhichOneof("value")
+    if kind in ("string_value", "bytes_value"):
+        data = getattr(value, kind)
+        if len(data) <= limit:  # ByteSize counts the tag and length too
+            return 0
+        setattr(value, kind, data[:limit])
+        return 1
+    if kind == "array_value":
+        return sum(_truncate_value(v, limit) for v in value.array_value.values)
+    if kind == "kvlist_value":
+        return _truncate_kvs(value.kvlist_value.values, limit)
+    return 0

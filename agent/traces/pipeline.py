@@ -5,8 +5,15 @@ spans, finds their service and queues them, so a receiver answers in
 microseconds per span. A worker (`process`, every `tick_s`) attributes each
 queued request once the scheduler source covers its end: asking earlier would
 read figures that are still being collected. Requests wait at most
-`max_wait_s`, and at most `max_pending` wait at all; beyond either they are
-attributed with what there is and marked incomplete, never dropped silently.
+`max_wait_s`, and at most `max_pending` (and `max_pending_bytes`) wait at
+all; beyond either they are attributed by the worker with what there is and
+marked incomplete, never dropped silently. When even that backlog outgrows
+the worker, exports are refused (`Overloaded`, a retryable answer for the
+sender) and counted, rather than costing the receiver threads.
+
+Spans kept for forwarding are copied out of their export request, with their
+attribute values cut to `max_attribute_length`: a kept span never pins the
+whole request it came in.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
@@ -27,12 +35,24 @@ from agent.attribution.requests import judge, request_document
 from agent.config import Slo
 from agent.traces.identity import SpanOrigin, SpanServices
 from agent.traces.metrics import TraceCounters
+from agent.traces.otlp_decode import truncate_attributes
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, iter_spans, request_span
 
-__all__ = ["RequestPipeline", "SpanSink"]
+__all__ = ["MAX_FUTURE_SKEW_S", "Overloaded", "RequestPipeline", "SpanSink"]
 
 log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# A span may end at most this far after the agent's clock (clock skew between
+# hosts); a later end is clamped to it, so a bogus end cannot hold the queue.
+MAX_FUTURE_SKEW_S = 5.0
+# Bytes a pending request costs beside its protobuf span (the parsed form).
+_PENDING_OVERHEAD = 600
+
+
+class Overloaded(Exception):
+    """The pipeline cannot take more now; receivers answer a retryable error."""
 
 
 class SpanSink:
@@ -49,6 +69,7 @@ class _Pending:
     origin: SpanOrigin
     received: float
     proto: tuple[ResourceSpans, ScopeSpans, Span] | None  # kept only when forwarding
+    size: int = _PENDING_OVERHEAD
 
 
 class RequestPipeline:
@@ -62,6 +83,8 @@ class RequestPipeline:
         sink: SpanSink | None = None,
         *,
         max_pending: int = 50_000,
+        max_pending_bytes: int = 64 * MiB,
+        max_attribute_length: int = 8192,
         max_wait_s: float = 10.0,
         tick_s: float = 0.1,
         clock: Callable[[], float] = time.time,
@@ -73,6 +96,11 @@ class RequestPipeline:
         self.counters = counters
         self._sink = sink
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.max_attribute_length = max_attribute_length
+        self._pending_bytes = 0
+        # Popped from the heap for lack of room, finished by the worker.
+        self._early: deque[_Pending] = deque()
         self.max_wait_s = max_wait_s
         self.tick_s = tick_s
         self._clock = clock
@@ -84,39 +112,60 @@ class RequestPipeline:
         self._thread: threading.Thread | None = None
         self.errors = 0
 
+    def set_slos(self, slos: Iterable[Slo]) -> None:
+        """Judge requests finished from now on against these (a config reload)."""
+        self._slos = tuple(slos)
+
     # --- receiver side ---------------------------------------------------
 
     def ingest(self, req: ExportTraceServiceRequest, transport: str) -> int:
         """Take every span of an export request; returns how many were taken."""
+        self._admit()
+        self.counters.add_truncated(truncate_attributes(req, self.max_attribute_length))
         n = 0
         now = self._clock()
         origins: dict[int, SpanOrigin] = {}
-        overflow: list[_Pending] = []
+        copies: dict[int, tuple[ResourceSpans, ScopeSpans]] = {}
         for rs, ss, span in iter_spans(req):
             n += 1
             if span.name != REQUEST_SPAN_NAME:
                 if self._sink is not None:
-                    self._sink.forward(rs, ss, span)
+                    self._sink.forward(*detached(rs, ss, span, copies))
                 continue
             origin = origins.get(id(rs))
             if origin is None:
                 origin = origins[id(rs)] = self._services.origin(attributes(rs.resource.attributes))
-            parsed = request_span(span)
+            parsed = clamped(request_span(span), now)
             if origin.service is not None and origin.service not in self._watched:
                 self._watched.add(origin.service)
                 self._sched.watch(origin.service)  # record finely from now on
-            item = _Pending(parsed, origin, now, (rs, ss, span) if self._sink is not None else None)
-            with self._lock:
-                heapq.heappush(self._heap, (parsed.end, next(self._seq), item))
-                if len(self._heap) > self.max_pending:
-                    overflow.append(heapq.heappop(self._heap)[2])
-                self.counters.pending = len(self._heap)
+            proto = detached(rs, ss, span, copies) if self._sink is not None else None
+            size = _PENDING_OVERHEAD + (proto[2].ByteSize() if proto is not None else 0)
+            self._push(_Pending(parsed, origin, now, proto, size))
         self.counters.add_received(transport, n)
-        for item in overflow:
-            # The oldest request goes out now, with what the source has.
-            self.counters.pending_dropped += 1
-            self._finish(item, complete=False)
         return n
+
+    def _admit(self) -> None:
+        """Refuse an export while the early backlog (requests already pushed
+        out of the heap) is more than the worker clears in a few ticks."""
+        with self._lock:
+            backlog = len(self._early)
+        if backlog > max(1000, self.max_pending // 10):
+            raise Overloaded(f"{backlog} requests are waiting to be attributed; retry later")
+
+    def _push(self, item: _Pending) -> None:
+        """Into the heap by end; past the count or byte budget the oldest go
+        to the worker's early list, to be attributed with what there is."""
+        with self._lock:
+            heapq.heappush(self._heap, (item.span.end, next(self._seq), item))
+            self._pending_bytes += item.size
+            while self._heap and (len(self._heap) > self.max_pending
+                                  or self._pending_bytes > self.max_pending_bytes):
+                out = heapq.heappop(self._heap)[2]
+                self._pending_bytes -= out.size
+                self._early.append(out)
+                self.counters.pending_dropped += 1
+            self.counters.pending = len(self._heap)
 
     # --- worker side -----------------------------------------------------
 
@@ -127,6 +176,8 @@ class RequestPipeline:
         now = self._clock()
         ready: list[tuple[_Pending, bool]] = []
         with self._lock:
+            while self._early:
+                ready.append((self._early.popleft(), False))
             while self._heap and self._heap[0][0] <= covered:
                 ready.append((heapq.heappop(self._heap)[2], True))
             # Clock skew or a stalled source: don't hold a request forever.
@@ -135,6 +186,8 @@ class RequestPipeline:
                 self._heap = [e for e in self._heap if now - e[2].received <= self.max_wait_s]
                 heapq.heapify(self._heap)
                 ready.extend((e[2], False) for e in stale)
+            self._pending_bytes = sum(e[2].size for e in self._heap) if stale else self._pending_bytes - sum(
+                item.size for item, complete in ready if complete)
             self.counters.pending = len(self._heap)
         for item, complete in ready:
             self._finish(item, complete)
@@ -177,6 +230,29 @@ class RequestPipeline:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def clamped(span: RequestSpan, now: float) -> RequestSpan:
+    """`span` with its end (and start) no later than now plus the allowed skew."""
+    limit = now + MAX_FUTURE_SKEW_S
+    if span.end <= limit:
+        return span
+    start = min(span.start, limit)
+    return replace(span, start=start, end=limit, e2e=min(span.e2e, limit - start))
+
+
+def detached(rs: ResourceSpans, ss: ScopeSpans, span: Span,
+             copies: dict[int, tuple[ResourceSpans, ScopeSpans]]) -> tuple[ResourceSpans, ScopeSpans, Span]:
+    """Copies of the span and of its resource and scope (without their other
+    spans), shared per scope through `copies`: what is kept no longer holds
+    the export request's memory."""
+    pair = copies.get(id(ss))
+    if pair is None:
+        pair = copies[id(ss)] = (ResourceSpans(resource=rs.resource, schema_url=rs.schema_url),
+                                 ScopeSpans(scope=ss.scope, schema_url=ss.schema_url))
+    own = Span()
+    own.CopyFrom(span)
+    return pair[0], pair[1], own
 
 
 def enrichment(doc: dict) -> dict:

@@ -3,8 +3,10 @@
 The servicer is registered with a pass-through request deserializer so that a
 body that is not a valid ExportTraceServiceRequest answers INVALID_ARGUMENT with
 the reason (grpcio's own deserialization failure would be an opaque INTERNAL).
-grpcio enforces the message size limit (RESOURCE_EXHAUSTED) after it has
-inflated a compressed message, so a gzip bomb stops there too.
+grpcio enforces its message size limit (RESOURCE_EXHAUSTED) after it has
+inflated a compressed message, so a gzip bomb stops there too; that limit is
+set above the agent's own, which the handler checks so that every refusal up
+to GRPC_MAX_MESSAGE is counted.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_protobuf
-from agent.traces.pipeline import RequestPipeline
+from agent.traces.pipeline import Overloaded, RequestPipeline
 
 __all__ = ["GrpcReceiver", "TraceServiceHandler"]
 
 log = logging.getLogger(__name__)
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+GRPC_MAX_MESSAGE = 64 << 20
 
 
 class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
@@ -35,6 +38,9 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
 
     def Export(self, request: bytes, context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
         try:
+            if len(request) > self._limits.max_body_bytes:
+                raise DecodeError(413, f"the message has {len(request)} bytes, more than the limit of "
+                                       f"{self._limits.max_body_bytes}; send smaller batches")
             req = decode_protobuf(request, self._limits)
         except DecodeError as e:
             self._counters.add_rejected("grpc", "too_large" if e.status == 413 else "malformed")
@@ -42,6 +48,9 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
             context.abort(code, e.reason)
         try:
             self._pipeline.ingest(req, "grpc")
+        except Overloaded as e:
+            self._counters.add_rejected("grpc", "overloaded")
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))  # retryable for OTLP exporters
         except Exception:
             log.exception("ingesting an OTLP/gRPC export failed")
             self._counters.add_rejected("grpc", "internal")
@@ -55,7 +64,9 @@ class GrpcReceiver:
         handler = TraceServiceHandler(pipeline, counters, limits)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otlp-grpc"),
-            options=[("grpc.max_receive_message_length", limits.max_body_bytes),
+            # grpcio's own refusal of a larger message is not seen (nor counted) by the
+            # handler: let messages up to GRPC_MAX_MESSAGE through to be judged there.
+            options=[("grpc.max_receive_message_length", max(limits.max_body_bytes, GRPC_MAX_MESSAGE)),
                      ("grpc.so_reuseport", 0)],
         )
         rpc = grpc.unary_unary_rpc_method_handler(

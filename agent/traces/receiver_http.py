@@ -10,113 +10,98 @@ from __future__ import annotations
 
 import json
 import logging
-from http.server import BaseHTTPRequestHandler
 
 from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from agent.api.server import BackgroundHTTPServer
+from agent.api.routes import Response
+from agent.api.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
-from agent.traces.pipeline import RequestPipeline
+from agent.traces.pipeline import Overloaded, RequestPipeline
 
-__all__ = ["HttpReceiver", "TRACES_PATH"]
+__all__ = ["HttpReceiver", "OtlpHttpApp", "TRACES_PATH"]
 
 log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
 DRAIN_LIMIT = 64 << 20  # bytes of an oversized body read (and dropped) before answering 413
-_REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported"}
-_GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13}  # google.rpc.Code
+_REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported", 503: "overloaded"}
+_GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13, 503: 14}  # google.rpc.Code
 
 
-def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Limits) -> type:
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "slatrace-otlp"
-        protocol_version = "HTTP/1.1"
+class OtlpHttpApp(HttpApp):
+    """`POST /v1/traces`. The head is judged on the event loop (path, length);
+    the body is decoded and ingested on a worker. `req.peer` / `req.local` name
+    the connection the spans came in on."""
 
-        def do_POST(self) -> None:  # noqa: N802
-            wants_json = (self.headers.get("Content-Type") or "").lower().startswith("application/json")
-            if self.path.split("?", 1)[0] != TRACES_PATH:
-                self._drain_or_close()
-                return self._status(404, f"no such endpoint {self.path}; OTLP traces go to POST {TRACES_PATH}",
-                                    wants_json)
-            length = self.headers.get("Content-Length")
-            if length is None or not length.strip().isdigit():
-                self.close_connection = True
-                return self._refuse(411, "a Content-Length header is required", wants_json)
-            size = int(length)
-            if size > limits.max_body_bytes:
-                # Read and discard a moderately oversized body so the client, still
-                # sending, gets the 413 rather than a broken pipe; a huge one is not
-                # worth the bandwidth and the connection is closed on it.
-                if size <= DRAIN_LIMIT:
-                    self._discard(size)
-                self.close_connection = True
-                return self._refuse(413, f"the body has {size} bytes, more than the limit of "
-                                         f"{limits.max_body_bytes}; send smaller batches", wants_json)
-            body = self.rfile.read(size)
-            try:
-                req, is_json = decode_body(body, self.headers.get("Content-Type"),
-                                           self.headers.get("Content-Encoding"), limits)
-            except DecodeError as e:
-                return self._refuse(e.status, e.reason, wants_json)
-            try:
-                pipeline.ingest(req, "http")
-            except Exception:
-                log.exception("ingesting an OTLP/HTTP export failed")
-                return self._refuse(500, "the agent failed to ingest the spans; see its log", wants_json)
-            resp = ExportTraceServiceResponse()
-            if is_json:
-                self._send(200, json_format.MessageToJson(resp).encode(), "application/json")
-            else:
-                self._send(200, resp.SerializeToString(), "application/x-protobuf")
+    drain_bytes = DRAIN_LIMIT
 
-        def do_GET(self) -> None:  # noqa: N802
-            self._status(405, f"only POST {TRACES_PATH} is served here", True)
+    def __init__(self, pipeline: RequestPipeline, counters: TraceCounters, limits: Limits) -> None:
+        self.pipeline = pipeline
+        self.counters = counters
+        self.limits = limits
+        self.max_body_bytes = limits.max_body_bytes
 
-        def _discard(self, size: int) -> None:
-            while size > 0:
-                chunk = self.rfile.read(min(size, 1 << 16))
-                if not chunk:
-                    return
-                size -= len(chunk)
+    def check_head(self, req: Request) -> Response | None:
+        wants_json = _wants_json(req)
+        if req.method != "POST":
+            return _status(405, f"only POST {TRACES_PATH} is served here", True,
+                           headers=(("Allow", "POST"),))
+        if req.path != TRACES_PATH:
+            return _status(404, f"no such endpoint {req.path}; OTLP traces go to POST {TRACES_PATH}", wants_json)
+        size = req.content_length()
+        if size is None:
+            return self._refuse(411, "a Content-Length header is required", wants_json, close=True)
+        if size > self.limits.max_body_bytes:
+            # The server reads and discards a moderately oversized body so the
+            # client, still sending, gets the 413 rather than a broken pipe; a
+            # huge one is not worth the bandwidth and the connection is closed on it.
+            return self._refuse(413, f"the body has {size} bytes, more than the limit of "
+                                     f"{self.limits.max_body_bytes}; send smaller batches", wants_json, close=True)
+        return None
 
-        def _drain_or_close(self) -> None:
-            length = self.headers.get("Content-Length")
-            if length and length.isdigit() and int(length) <= limits.max_body_bytes:
-                self.rfile.read(int(length))
-            else:
-                self.close_connection = True
+    def handle(self, req: Request) -> Response:
+        wants_json = _wants_json(req)
+        try:
+            decoded, is_json = decode_body(req.body, req.header("Content-Type"), req.header("Content-Encoding"),
+                                           self.limits)
+        except DecodeError as e:
+            return self._refuse(e.status, e.reason, wants_json)
+        try:
+            self.pipeline.ingest(decoded, "http")
+        except Overloaded as e:
+            resp = self._refuse(503, str(e), wants_json)
+            return Response(resp.status, resp.body, resp.content_type, headers=(("Retry-After", "1"),))
+        except Exception:
+            log.exception("ingesting an OTLP/HTTP export failed")
+            return self._refuse(500, "the agent failed to ingest the spans; see its log", wants_json)
+        resp = ExportTraceServiceResponse()
+        if is_json:
+            return Response(200, json_format.MessageToJson(resp).encode(), "application/json")
+        return Response(200, resp.SerializeToString(), "application/x-protobuf")
 
-        def _refuse(self, status: int, reason: str, wants_json: bool) -> None:
-            counters.add_rejected("http", _REASONS.get(status, "internal"))
-            self._status(status, reason, wants_json)
+    def _refuse(self, status: int, reason: str, wants_json: bool, close: bool = False) -> Response:
+        self.counters.add_rejected("http", _REASONS.get(status, "internal"))
+        return _status(status, reason, wants_json, close=close)
 
-        def _status(self, status: int, reason: str, wants_json: bool) -> None:
-            msg = Status(code=_GRPC_CODES.get(status, 2), message=reason)
-            if wants_json:
-                self._send(status, json.dumps({"code": msg.code, "message": reason}).encode(), "application/json")
-            else:
-                self._send(status, msg.SerializeToString(), "application/x-protobuf")
 
-        def _send(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(body)
+def _wants_json(req: Request) -> bool:
+    return (req.header("Content-Type") or "").lower().startswith("application/json")
 
-        def log_message(self, fmt: str, *args) -> None:
-            log.debug("%s %s", self.address_string(), fmt % args)
 
-    return Handler
+def _status(status: int, reason: str, wants_json: bool, close: bool = False,
+            headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    """A refusal as a google.rpc.Status in the request's own encoding."""
+    msg = Status(code=_GRPC_CODES.get(status, 2), message=reason)
+    if wants_json:
+        return Response(status, json.dumps({"code": msg.code, "message": reason}).encode(), "application/json",
+                        headers=headers, close=close)
+    return Response(status, msg.SerializeToString(), "application/x-protobuf", headers=headers, close=close)
 
 
 class HttpReceiver(BackgroundHTTPServer):
     def __init__(self, host: str, port: int, pipeline: RequestPipeline, counters: TraceCounters,
-                 limits: Limits = Limits()) -> None:
-        super().__init__(host, port, _make_handler(pipeline, counters, limits), "otlp-http")
+                 limits: Limits = Limits(), server_limits: ServerLimits = ServerLimits()) -> None:
+        super().__init__(host, port, OtlpHttpApp(pipeline, counters, limits), "otlp-http", server_limits)

@@ -12,6 +12,7 @@ span is still worth its timing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -121,13 +122,14 @@ def _float(attrs: Mapping[str, Any], key: str) -> float | None:
     value = attrs.get(key)
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
-        return float(value) if value == value else None  # NaN is no duration
     if isinstance(value, str):
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             return None
+    if isinstance(value, (int, float)):
+        value = float(value)
+        return value if math.isfinite(value) else None  # NaN or infinity is no duration
     return None
 
 

@@ -63,7 +63,11 @@ class Agent:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # not ready: __exit__ will not run, so stop it here
+            self.stop()
+            raise
         return self
 
     def wait_ready(self, timeout: float = 30.0) -> None:

@@ -191,15 +191,15 @@ def test_results_are_frozen() -> None:
         ("interval: .nan", "config.yaml: interval: expected a number of seconds, got nan"),
         (
             "interval: 0",
-            "config.yaml: interval: must be more than 0 and at most 60 seconds, got 0",
+            "config.yaml: interval: must be a number of seconds from 0.1 to 60, got 0",
         ),
         (
             "interval: 61",
-            "config.yaml: interval: must be more than 0 and at most 60 seconds, got 61",
+            "config.yaml: interval: must be a number of seconds from 0.1 to 60, got 61",
         ),
         (
             "interval: 10\nretention: 5",
-            "config.yaml: retention: must be at least the interval (10 s), got 5",
+            "config.yaml: retention: must be a number of seconds from the interval (10 s) to 604800, got 5",
         ),
         (
             "max_services: 0",

@@ -1,0 +1,134 @@
+"""SIGHUP: read the config file again and apply what can change live.
+
+Services (the naming rules) and SLOs change at once; interval, retention,
+max_services and buckets_per_octave shape what is already collected and need
+a restart, which the log says. A file that does not load keeps the running
+config, with one error line. The signal handler only sets a flag; the work is
+done on this module's thread, never inside the handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import fields, replace
+
+from agent.config import Config, ConfigError, load_config
+
+__all__ = ["ConfigReloader", "describe_changes", "load_with_overrides"]
+
+log = logging.getLogger("slatrace")
+
+LIVE = ("services", "slos")
+
+
+def load_with_overrides(path: str | None, overrides: dict) -> Config:
+    """The file's config with the command line's flags on top (flags win)."""
+    config = load_config(path) if path else Config()
+    if overrides:
+        config = replace(config, **overrides)
+    if config.retention < config.interval:
+        raise ConfigError(f"retention ({config.retention:g} s) must be at least the interval "
+                          f"({config.interval:g} s)")
+    return config
+
+
+def _by_name(items, key: str) -> dict:
+    out: dict = {}
+    for item in items:
+        out.setdefault(getattr(item, key), []).append(item)
+    return out
+
+
+def _diff(old: dict, new: dict) -> list[str]:
+    parts = [f"+{k}" for k in sorted(new.keys() - old.keys())]
+    parts += [f"-{k}" for k in sorted(old.keys() - new.keys())]
+    parts += [f"~{k}" for k in sorted(old.keys() & new.keys()) if old[k] != new[k]]
+    return parts
+
+
+def describe_changes(old: Config, new: Config) -> tuple[str, list[str]]:
+    """(what changed live, in one phrase; fields that need a restart)."""
+    said = []
+    services = _diff(_by_name(old.services, "name"), _by_name(new.services, "name"))
+    if not services and old.services != new.services:
+        services = ["order"]
+    if services:
+        said.append("services " + " ".join(services))
+    slos = _diff(_by_name(old.slos, "service"), _by_name(new.slos, "service"))
+    if slos:
+        said.append("slos " + " ".join(slos))
+    restart = [f.name for f in fields(Config) if f.name not in LIVE and getattr(old, f.name) != getattr(new, f.name)]
+    return ("; ".join(said) or "nothing"), restart
+
+
+class ConfigReloader:
+    """Waits for `request()` (called from the SIGHUP handler) and reloads;
+    between requests, calls `tick` every `tick_s` (housekeeping)."""
+
+    def __init__(self, path: str | None, overrides: dict, current: Callable[[], Config],
+                 apply: Callable[[Config], None], tick: Callable[[], None] | None = None,
+                 tick_s: float = 5.0) -> None:
+        self.path = path
+        self._tick = tick
+        self.tick_s = tick_s
+        self.overrides = dict(overrides)
+        self._current = current
+        self._apply = apply
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reload", daemon=True)
+        self.reloads = 0
+        self.failures = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request(self) -> None:
+        """Safe inside a signal handler: sets a flag, nothing else."""
+        self._wanted.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wanted.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while True:
+            wanted = self._wanted.wait(self.tick_s)
+            if self._stop.is_set():
+                return
+            if wanted:
+                self._wanted.clear()
+                self.reload()
+            elif self._tick is not None:
+                try:
+                    self._tick()
+                except Exception:
+                    log.exception("housekeeping failed; retrying")
+
+    def reload(self) -> bool:
+        if not self.path:
+            log.warning("SIGHUP: slatrace was started without --config, so there is no file to reload")
+            return False
+        try:
+            new = load_with_overrides(self.path, self.overrides)
+        except ConfigError as e:
+            self.failures += 1
+            log.error("reload failed, keeping the running config: %s", e)
+            return False
+        old = self._current()
+        changed, restart = describe_changes(old, new)
+        keep = {name: getattr(old, name) for name in restart}
+        try:
+            self._apply(replace(new, **keep))
+        except Exception as e:  # noqa: BLE001  (one line; the old config stays where it was not replaced)
+            self.failures += 1
+            log.error("reload failed while applying %s: %s", self.path, e)
+            return False
+        self.reloads += 1
+        log.info("reloaded %s: %s%s", self.path, changed,
+                 f"; {', '.join(restart)} changed in the file but need a restart (kept)" if restart else "")
+        return True
