@@ -219,7 +219,7 @@ class Daemon:
                                   lambda: rule_names | set(self.store.totals()),
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
-                                  otlp_protocol=getattr(self.options, "otlp_protocol", None))
+                                  otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods)
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
             self._traces.start()

@@ -109,30 +109,58 @@ def wall_minus_mono_ns() -> int:
 class EventSched:
     """Exact figures from the kernel's per-wait events of watched services.
 
-    A service is watched from the first request span it sends; requests that
-    started before its events began flowing get the interval-prorated figures
-    of `fallback` (and say so through resolution_seconds).
+    A service is watched from the first request span it sends, or from the
+    start when it is pinned (a request server found by its command line), and
+    stops being watched `idle_s` after its last span; requests that started
+    before its events began flowing get the interval-prorated figures of
+    `fallback` (and say so through resolution_seconds).
     """
 
     def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
-                 fallback: RequestSchedSource) -> None:
+                 fallback: RequestSchedSource, *, idle_s: float = 120.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._log = log
         self._cgroups_of = cgroups_of
         self._service_of = service_of
         self._fallback = fallback
         self._lock = threading.Lock()
         self._watching: dict[str, float] = {}     # service -> wall time events began
+        self._last_span: dict[str, float] = {}    # service -> wall time of its last request span
+        self._pinned: frozenset[str] = frozenset()
+        self._idle_s = idle_s
+        self._clock = clock
         self._covered_until = 0.0
         self._offset_ns = wall_minus_mono_ns()
 
     def watch(self, service: str) -> None:
         with self._lock:
             self._watching.setdefault(service, float("inf"))  # starts at the next refresh
+            self._last_span[service] = self._clock()
+
+    def pin(self, services: set[str]) -> None:
+        """Watch these services whether or not they send (replaces the last set)."""
+        now = self._clock()
+        with self._lock:
+            for service in self._pinned - services:
+                self._last_span.setdefault(service, now)  # idle from now unless it sends
+            self._pinned = frozenset(services)
+            for service in services:
+                self._watching.setdefault(service, float("inf"))
+
+    def watching(self) -> set[str]:
+        with self._lock:
+            return set(self._watching)
 
     def watched_cgroups(self) -> set[int]:
         """The cgroups to stream events for now; marks newly watched services
-        as covered from this moment on."""
+        as covered from this moment on, and stops watching services that
+        stopped sending."""
+        now = self._clock()
         with self._lock:
+            for service in [s for s in self._watching if s not in self._pinned
+                            and now - self._last_span.get(s, now) > self._idle_s]:
+                del self._watching[service]
+                self._last_span.pop(service, None)
             services = list(self._watching)
         cgids: set[int] = set()
         for service in services:

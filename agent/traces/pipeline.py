@@ -25,7 +25,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from agent.attribution.request_sched import RequestSched, RequestSchedSource
 from agent.attribution.requests import judge, request_document
 from agent.config import Slo
-from agent.traces.identity import SpanOrigin, SpanServices
+from agent.identity.services import HOST, KERNEL, UNKNOWN
+from agent.traces.identity import Peer, SpanOrigin, SpanServices, describe_peer, unresolved_hint
 from agent.traces.metrics import TraceCounters
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, iter_spans, request_span
@@ -33,6 +34,11 @@ from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, iter_
 __all__ = ["RequestPipeline", "SpanSink"]
 
 log = logging.getLogger(__name__)
+
+# Never streamed because a span says so: everything unattributed lives there.
+NEVER_WATCHED = frozenset({HOST, KERNEL.name, UNKNOWN})
+# One warning per unresolved reason at most this often.
+WARN_EVERY_S = 300.0
 
 
 class SpanSink:
@@ -79,15 +85,16 @@ class RequestPipeline:
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, _Pending]] = []  # by span end
         self._seq = itertools.count()
-        self._watched: set[str] = set()
+        self._warned: dict[str, float] = {}  # unresolved reason -> when last warned
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0
 
     # --- receiver side ---------------------------------------------------
 
-    def ingest(self, req: ExportTraceServiceRequest, transport: str) -> int:
-        """Take every span of an export request; returns how many were taken."""
+    def ingest(self, req: ExportTraceServiceRequest, transport: str, peer: Peer | None = None) -> int:
+        """Take every span of an export request sent from `peer`; returns how
+        many were taken."""
         n = 0
         now = self._clock()
         origins: dict[int, SpanOrigin] = {}
@@ -100,11 +107,13 @@ class RequestPipeline:
                 continue
             origin = origins.get(id(rs))
             if origin is None:
-                origin = origins[id(rs)] = self._services.origin(attributes(rs.resource.attributes))
+                origin = origins[id(rs)] = self._services.origin(peer, attributes(rs.resource.attributes))
+                self._note_origin(origin, peer)
             parsed = request_span(span)
-            if origin.service is not None and origin.service not in self._watched:
-                self._watched.add(origin.service)
-                self._sched.watch(origin.service)  # record finely from now on
+            if origin.service is not None and origin.service not in NEVER_WATCHED:
+                self._sched.watch(origin.service)  # record finely while it sends
+            elif origin.reason is not None:
+                self.counters.add_unresolved(origin.reason)
             item = _Pending(parsed, origin, now, (rs, ss, span) if self._sink is not None else None)
             with self._lock:
                 heapq.heappush(self._heap, (parsed.end, next(self._seq), item))
@@ -117,6 +126,17 @@ class RequestPipeline:
             self.counters.pending_dropped += 1
             self._finish(item, complete=False)
         return n
+
+    def _note_origin(self, origin: SpanOrigin, peer: Peer | None) -> None:
+        for attr in origin.ignored:
+            self.counters.add_claim_ignored(attr)
+        if origin.reason is None:
+            return
+        now = self._clock()
+        if now - self._warned.get(origin.reason, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[origin.reason] = now
+            log.warning("request spans from %s are not attributed to any service (%s): %s",
+                        describe_peer(peer), origin.reason, unresolved_hint(origin.reason))
 
     # --- worker side -----------------------------------------------------
 

@@ -17,6 +17,7 @@ from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from agent.api.server import BackgroundHTTPServer
+from agent.traces.identity import Peer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
 from agent.traces.pipeline import RequestPipeline
@@ -63,7 +64,7 @@ def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Li
             except DecodeError as e:
                 return self._refuse(e.status, e.reason, wants_json)
             try:
-                pipeline.ingest(req, "http")
+                pipeline.ingest(req, "http", self._peer())
             except Exception:
                 log.exception("ingesting an OTLP/HTTP export failed")
                 return self._refuse(500, "the agent failed to ingest the spans; see its log", wants_json)
@@ -72,6 +73,15 @@ def _make_handler(pipeline: RequestPipeline, counters: TraceCounters, limits: Li
                 self._send(200, json_format.MessageToJson(resp).encode(), "application/json")
             else:
                 self._send(200, resp.SerializeToString(), "application/x-protobuf")
+
+        def _peer(self) -> Peer | None:
+            # The sender is whoever holds the other end of this connection.
+            try:
+                host, port = self.client_address[:2]
+                local_host, local_port = self.connection.getsockname()[:2]
+            except (OSError, TypeError, ValueError):
+                return None
+            return Peer(str(host), int(port), str(local_host), int(local_port))
 
         def do_GET(self) -> None:  # noqa: N802
             self._status(405, f"only POST {TRACES_PATH} is served here", True)

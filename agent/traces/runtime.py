@@ -16,6 +16,7 @@ from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
 from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
+from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
 from agent.traces.identity import SpanServices
 from agent.traces.metrics import TraceCollector, TraceCounters
@@ -50,6 +51,7 @@ class Traces:
         otlp_endpoint: str | None = None,
         otlp_protocol: str | None = None,
         limits: Limits = Limits(),
+        pods: PodIndex | None = None,
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention)
@@ -59,7 +61,7 @@ class Traces:
 
             self.forwarder = Forwarder(make_exporter(otlp_endpoint, otlp_protocol), self.counters)
         self.pipeline = RequestPipeline(
-            sched, SpanServices(cgroups, service_of, known_services), config.slos, self.store, self.counters,
+            sched, SpanServices(cgroups, service_of, known_services, pods=pods), config.slos, self.store, self.counters,
             self.forwarder, max_wait_s=max(10.0, 5 * config.interval))
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
         self._http_addr = parse_listen_or_off(http_listen, "--otlp-http-listen")

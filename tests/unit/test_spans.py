@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from agent.attribution.request_sched import RequestSched
 from agent.attribution.requests import causes, fmt_duration, judge, request_document, verdict
 from agent.config import Slo
-from agent.traces.identity import SpanServices, cgroup_v2_path
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body, decode_json, decode_protobuf, gunzip
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import RequestSpan, attributes, iter_spans, request_span
@@ -190,46 +189,6 @@ def test_property_json_bodies_decode_or_refuse_cleanly(doc):
     for _, _, span in iter_spans(req):
         s = request_span(span)
         assert s.end >= s.start and not math.isnan(s.e2e)
-
-
-# --- span -> service ------------------------------------------------------------
-
-class FakeCgroups:
-    def __init__(self, paths: dict[int, str]) -> None:
-        self.paths = paths
-
-    def id_of(self, path: str) -> int | None:
-        return next((i for i, p in self.paths.items() if p == path), None)
-
-    def known(self) -> dict[int, str]:
-        return dict(self.paths)
-
-
-def test_cgroup_v2_path_from_proc_pid_cgroup():
-    assert cgroup_v2_path("12:cpu,cpuacct:/x\n0::/kubepods.slice/pod-a/cri-containerd-abc.scope\n") == \
-        "/kubepods.slice/pod-a/cri-containerd-abc.scope"
-    assert cgroup_v2_path("0::/\n") == "/"
-    assert cgroup_v2_path("1:name=systemd:/\n") is None
-
-
-def test_span_service_rules_in_spec_order(tmp_path):
-    (tmp_path / "4242").mkdir()
-    (tmp_path / "4242" / "cgroup").write_text("0::/vllm/engine\n")
-    pod = "7d4c8a8e-1b2c-4d5e-8f90-0a1b2c3d4e5f"
-    cgroups = FakeCgroups({10: "/vllm/engine",
-                           20: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice",
-                           21: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-abcdef0123.scope"})
-    names = {10: "vllm", 20: "k8s-pod", 21: "ns/inference"}
-    services = SpanServices(cgroups, names.__getitem__, lambda: {"vllm", "batch"}, proc_root=tmp_path)
-    assert services.origin({"process.pid": 4242}).service == "vllm"
-    assert services.origin({"process.pid": 4242}).how == "process.pid"
-    # A pid that is not ours (another pid namespace) falls through to the next rule.
-    o = services.origin({"process.pid": 999999, "k8s.pod.uid": pod})
-    assert (o.service, o.how, o.cgroup_id) == ("ns/inference", "k8s.pod.uid", 21)
-    assert services.origin({"container.id": "abcdef0123"}).service == "ns/inference"
-    assert services.origin({"service.name": "batch"}).how == "service.name"
-    o = services.origin({"service.name": "nobody-knows"})
-    assert o.service is None and o.how == "unresolved"
 
 
 # --- verdicts and SLOs ------------------------------------------------------------
