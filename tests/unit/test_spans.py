@@ -57,7 +57,46 @@ def test_v1_fixture_parses_every_figure():
     assert (s.prompt_tokens, s.completion_tokens, s.max_tokens, s.n) == (812, 256, 256, 1)
     # The span's own duration and vLLM's e2e agree to within the time it took to end it.
     assert s.end - s.start == pytest.approx(s.e2e, abs=1e-3)
-    assert resource["process.pid"] == 48213 and resource["service.name"] == "vllm"
+    # Up to 0.15 vLLM's resource is the SDK's default: nothing names the process.
+    assert resource["service.name"] == "unknown_service:python"
+    assert not {"process.pid", "host.name", "vllm.process_id"} & set(resource)
+
+
+def test_v1_fixture_of_0_16_carries_vllms_own_resource_and_omits_falsy_parameters():
+    resource, s = only_span(load("vllm_llm_request_v1_0.16.json"))
+    # The pid as a string, in vLLM's own pid namespace (here the container's init).
+    assert resource["vllm.process_id"] == "1" and resource["vllm.instrumenting_module_name"] == "vllm.llm_engine"
+    assert "process.pid" not in resource
+    attrs = attributes(decode_json(load("vllm_llm_request_v1_0.16.json")).resource_spans[0]
+                       .scope_spans[0].spans[0].attributes)
+    # temperature 0 is falsy, so V1 leaves it out; no model name, no finish reasons.
+    assert "gen_ai.request.temperature" not in attrs and "gen_ai.response.model" not in attrs
+    assert s.model is None and s.finish_reasons == () and s.parent_span_id is None
+    assert s.request_id == "chatcmpl-0f3b9a7e5c2d4b1a8e6f0c9d7b5a3e21"
+    assert (s.prompt_tokens, s.completion_tokens, s.max_tokens, s.n) == (37, 64, 64, 1)
+    assert s.queue + s.prefill + s.decode == pytest.approx(s.e2e, abs=1e-3)
+
+
+def test_n_greater_than_one_keeps_every_sibling():
+    req = decode_json(load("vllm_llm_request_v1_n2.json"))
+    spans = [request_span(span) for _, _, span in iter_spans(req)]
+    assert {s.request_id for s in spans} == {"cmpl-5e1f0c7a9b3d4e2f8a6c1b0d9e7f3a52"} and len(spans) == 2
+    store = RequestStore(900, clock=lambda: 1764680010.0)
+    for s in spans + spans[:1]:   # the first one twice: a retried export replaces, it does not add
+        store.add(request_document(s, "vllm", "connection", None, [], True))
+    docs = store.get_all("cmpl-5e1f0c7a9b3d4e2f8a6c1b0d9e7f3a52")
+    assert sorted(d["span_id"] for d in docs) == ["3c4d5e6f708192a3", "4d5e6f708192a3b4"]
+    assert sorted(d["tokens"]["completion"] for d in docs) == [180, 256]
+    assert len(store) == 2 and len(store.query()) == 2
+    from agent.traces.api import request_routes  # noqa: PLC0415
+    one = json.loads(request_routes(store)["/api/v1/requests/"]({"_tail": [spans[0].request_id]}).body)
+    assert len(one["siblings"]) == 1 and {one["span_id"], one["siblings"][0]["span_id"]} == \
+        {"3c4d5e6f708192a3", "4d5e6f708192a3b4"}
+    # Eviction by count drops the oldest span and its index entry.
+    small = RequestStore(900, max_requests=1, clock=lambda: 1764680010.0)
+    for s in spans:
+        small.add(request_document(s, "vllm", "connection", None, [], True))
+    assert [d["span_id"] for d in small.get_all(spans[0].request_id)] == [spans[1].span_id]
 
 
 def test_v0_fixture_parses_its_own_attribute_set():
