@@ -48,6 +48,9 @@ class RequestSchedSource(Protocol):
     def watch(self, service: str) -> None:
         """Record finely for `service` from now on (it sends request spans)."""
 
+    def pin(self, services: set[str]) -> None:
+        """Record finely for these services whether they send or not (replaces the last set)."""
+
     def covered_until(self) -> float:
         """Wall-clock time up to which figures are complete; ask between() for
         a request only once its end is covered."""
@@ -64,6 +67,9 @@ class IntervalSched:
         self._interval = interval_s
 
     def watch(self, service: str) -> None:
+        pass
+
+    def pin(self, services: set[str]) -> None:
         pass
 
     def covered_until(self) -> float:

@@ -29,7 +29,8 @@ from agent.identity.services import HOST, KERNEL, UNKNOWN
 from agent.traces.identity import Peer, SpanOrigin, SpanServices, describe_peer, unresolved_hint
 from agent.traces.metrics import TraceCounters
 from agent.traces.request_store import RequestStore
-from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, iter_spans, request_span
+from agent.traces.servers import RequestRules, parse_request
+from agent.traces.spans import RequestSpan, attributes, iter_spans
 
 __all__ = ["RequestPipeline", "SpanSink"]
 
@@ -67,6 +68,7 @@ class RequestPipeline:
         counters: TraceCounters,
         sink: SpanSink | None = None,
         *,
+        rules: RequestRules | None = None,
         max_pending: int = 50_000,
         max_wait_s: float = 10.0,
         tick_s: float = 0.1,
@@ -78,6 +80,7 @@ class RequestPipeline:
         self.store = store
         self.counters = counters
         self._sink = sink
+        self._rules = rules if rules is not None else RequestRules()
         self.max_pending = max_pending
         self.max_wait_s = max_wait_s
         self.tick_s = tick_s
@@ -101,7 +104,8 @@ class RequestPipeline:
         overflow: list[_Pending] = []
         for rs, ss, span in iter_spans(req):
             n += 1
-            if span.name != REQUEST_SPAN_NAME:
+            rule = self._rules.match(span.name)
+            if rule is None:
                 if self._sink is not None:
                     self._sink.forward(rs, ss, span)
                 continue
@@ -109,7 +113,7 @@ class RequestPipeline:
             if origin is None:
                 origin = origins[id(rs)] = self._services.origin(peer, attributes(rs.resource.attributes))
                 self._note_origin(origin, peer)
-            parsed = request_span(span)
+            parsed = parse_request(rule, span)
             if origin.service is not None and origin.service not in NEVER_WATCHED:
                 self._sched.watch(origin.service)  # record finely while it sends
             elif origin.reason is not None:
