@@ -28,6 +28,7 @@ from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
+from agent.identity.threads import ThreadNames
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
@@ -125,7 +126,7 @@ class Daemon:
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
-                                        IntervalSched(self.store, config.interval))
+                                        IntervalSched(self.store, config.interval), thread_names=ThreadNames())
         self._watched: set[int] = set()
         self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
         self._traces = None  # agent.traces.runtime.Traces once the probe is attached

@@ -28,6 +28,8 @@ class RequestSched:
     resolution_seconds: float                     # how finely the window was cut
     # waits after a wakeup, by who held the CPU until they ended ("idle": nobody)
     waited_behind: tuple[tuple[str, float], ...] = ()
+    # the wait by the service's own (pid, process name, thread name), largest first (exact figures only)
+    by_thread: tuple[tuple[int, str, str, float], ...] = ()
 
     def as_dict(self) -> dict:
         return {
@@ -37,7 +39,12 @@ class RequestSched:
             "waited_behind": [{"service": s, "wait_seconds": w} for s, w in self.waited_behind],
             "iowait_seconds": self.iowait_seconds,
             "migrations": self.migrations,
+            "by_thread": [{"pid": pid, "process": process, "thread": thread, "wait_seconds": w}
+                          for pid, process, thread, w in self.by_thread],
         }
+
+
+MAX_THREADS_SHOWN = 10
 
 
 def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
@@ -124,7 +131,8 @@ class EventSched:
 
     def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
                  fallback: RequestSchedSource, *, idle_s: float = 120.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 thread_names: Callable[[int], tuple[int, str, str] | None] = lambda tid: None) -> None:
         self._log = log
         self._cgroups_of = cgroups_of
         self._service_of = service_of
@@ -135,6 +143,7 @@ class EventSched:
         self._pinned: frozenset[str] = frozenset()
         self._idle_s = idle_s
         self._clock = clock
+        self._thread_names = thread_names
         self._covered_until = 0.0
         self._offset_ns = wall_minus_mono_ns()
 
@@ -199,7 +208,9 @@ class EventSched:
         if start < since:
             return self._fallback.between(service, start, end)
         offset = self._offset_ns
-        f = self._log.between(self._cgroups_of(service), int(start * 1e9) - offset, int(end * 1e9) - offset)
+        cgids = self._cgroups_of(service)
+        lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
+        f = self._log.between(cgids, lo, hi)
         by: dict[str, float] = {}
         for cgid, wait_ns in f.preempted_by.items():
             name = self._service_of(cgid) if cgid else UNKNOWN_SERVICE
@@ -209,4 +220,14 @@ class EventSched:
             name = self._service_of(cgid) if cgid else IDLE
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
-                            resolution_seconds=1e-6, waited_behind=_ranked(behind))
+                            resolution_seconds=1e-6, waited_behind=_ranked(behind),
+                            by_thread=self._by_thread(self._log.waits_by_thread(cgids, lo, hi)))
+
+    def _by_thread(self, waits: dict[int, int]) -> tuple[tuple[int, str, str, float], ...]:
+        """Waits by (pid, process, thread name): a pool's threads share a name and add up."""
+        named: dict[tuple[int, str, str], int] = {}
+        for tid, ns in waits.items():
+            key = self._thread_names(tid) or (0, "?", f"tid {tid}")  # gone before the request was attributed
+            named[key] = named.get(key, 0) + ns
+        ranked = sorted(named.items(), key=lambda kv: kv[1], reverse=True)[:MAX_THREADS_SHOWN]
+        return tuple((pid, process, thread, ns / 1e9) for (pid, process, thread), ns in ranked)

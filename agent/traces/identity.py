@@ -94,6 +94,9 @@ def parse_grpc_peer(peer: str | None) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+_ESTABLISHED = "01"  # the st column of /proc/net/tcp
+
+
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         addr = ipaddress.ip_address(text.split("%", 1)[0])
@@ -123,29 +126,29 @@ def _proc_net_addr(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Ad
     return addr, port
 
 
-def tcp_socket_inode(proc: Path, peer: Peer) -> int | None:
-    """The inode of the socket whose own address is `peer` (and whose remote
-    end is the agent's, when that is known), from this network namespace's
-    /proc/net/tcp and tcp6."""
+def tcp_socket_inode(proc: Path, peer: Peer, net: str = "net", *, exact: bool = True) -> int | None:
+    """The inode of the connected socket whose own address is `peer`, from
+    `proc`/`net`/tcp and tcp6 (one network namespace's table). `exact` also
+    asks its remote end to be the agent's end of the connection, when known."""
     want = _ip(peer.host)
     local = _ip(peer.local_host) if peer.local_host else None
     if want is None:
         return None
     for name in ("tcp", "tcp6"):
         try:
-            lines = (proc / "net" / name).read_text().splitlines()[1:]
+            lines = (proc / net / name).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             f = line.split()
-            if len(f) < 10:
+            if len(f) < 10 or f[3] != _ESTABLISHED:
                 continue
             mine, theirs = _proc_net_addr(f[1]), _proc_net_addr(f[2])
             if mine is None or theirs is None or mine != (want, peer.port):
                 continue
-            if peer.local_port is not None and theirs[1] != peer.local_port:
+            if exact and peer.local_port is not None and theirs[1] != peer.local_port:
                 continue
-            if local is not None and not local.is_unspecified and theirs[0] != local:
+            if exact and local is not None and not local.is_unspecified and theirs[0] != local:
                 continue
             if f[9].isdigit() and int(f[9]) != 0:
                 return int(f[9])
@@ -294,6 +297,11 @@ class SpanServices:
 
     def _find_sender(self, peer: Peer) -> _Sender | str:
         inode = tcp_socket_inode(self._proc, peer)
+        if inode is None and self._own_netns_is_not_the_hosts():
+            # The agent in a network namespace of its own (a pod) but with the
+            # host's pids: a host process reaches it through a Service, so its
+            # socket is in the host's table (pid 1's), its remote end the Service's address.
+            inode = tcp_socket_inode(self._proc, peer, "1/net", exact=False)
         if inode is not None:
             owner = socket_owner(self._proc, inode)
             if owner is None:
@@ -319,6 +327,12 @@ class SpanServices:
         # Unless a hint narrows it, the pod's busiest container (the server, not its sidecars).
         containers.sort(key=lambda c: (-self._cgroups.threads(c[0]), c[0]))
         return _Sender("pod_ip", tuple(containers), pod_uid=pod.uid)
+
+    def _own_netns_is_not_the_hosts(self) -> bool:
+        try:
+            return os.readlink(self._proc / "self" / "ns" / "net") != os.readlink(self._proc / "1" / "ns" / "net")
+        except OSError:
+            return False
 
     def _cgroup_of(self, pid: int) -> tuple[str | None, int | None]:
         try:

@@ -32,7 +32,7 @@ __all__ = ["Traces", "parse_listen_or_off"]
 log = logging.getLogger(__name__)
 
 # How often /proc is searched for inference servers to stream from the start.
-SERVER_SCAN_S = 5.0
+SERVER_SCAN_S = 2.0
 
 
 def parse_listen_or_off(value: str | None, flag: str) -> tuple[str, int] | None:

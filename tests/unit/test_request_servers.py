@@ -237,3 +237,49 @@ def test_host_is_never_watched_and_unresolved_spans_are_counted_with_one_warning
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith("request spans from 203.0.113.9:40000 are not attributed to any service (remote_peer): ")
     assert "point the server at the agent on its own node" in warning
+
+
+def test_a_requests_wait_is_split_by_process_and_thread_name():
+    import ctypes  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from agent.identity.threads import ThreadNames  # noqa: PLC0415
+    from agent.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent  # noqa: PLC0415
+
+    # A real thread of this process, named the way vLLM's engine core names its loop.
+    named, done = threading.Event(), threading.Event()
+    tids: list[int] = []
+
+    def engine_loop() -> None:
+        ctypes.CDLL(None).prctl(15, b"EngineCoreLoop", 0, 0, 0)  # PR_SET_NAME
+        tids.append(threading.get_native_id())
+        named.set()
+        done.wait(10)
+
+    t = threading.Thread(target=engine_loop)
+    t.start()
+    try:
+        assert named.wait(5)
+        names = ThreadNames()
+        me = Path("/proc/self/comm").read_text().strip()
+        assert names(tids[0]) == (os.getpid(), me, "EngineCoreLoop")
+        log = EventLog(retention_ns=10**12)
+        now_mono = time.monotonic_ns()
+        log.add([SchedEvent(10, EV_RUNQ, now_mono - 3_000_000, now_mono - 1_000_000, 0, tids[0]),
+                 SchedEvent(10, EV_PREEMPTED, now_mono - 900_000, now_mono - 800_000, 11, tids[0]),
+                 SchedEvent(10, EV_RUNQ, now_mono - 2_000_000, now_mono - 1_500_000, 0, 999_999_999)])
+        sched = EventSched(log, lambda s: {10}, str, Sched(), thread_names=names)
+        sched.watch("vllm")
+        sched.watched_cgroups()
+        sched._watching["vllm"] = 0.0  # watched long before the window
+        wall = time.time()
+        got = sched.between("vllm", wall - 0.01, wall)
+        assert got.by_thread == ((os.getpid(), me, "EngineCoreLoop", pytest.approx(0.0021, abs=1e-4)),
+                                 (0, "?", "tid 999999999", pytest.approx(0.0005, abs=1e-4)))
+        assert sum(w for *_, w in got.by_thread) == pytest.approx(got.runq_wait_seconds)
+        assert got.as_dict()["by_thread"][0] == {"pid": os.getpid(), "process": me, "thread": "EngineCoreLoop",
+                                                 "wait_seconds": pytest.approx(0.0021, abs=1e-4)}
+    finally:
+        done.set()
+        t.join()

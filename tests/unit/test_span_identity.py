@@ -210,6 +210,23 @@ def test_unresolved_reasons(host):
     assert (o.service, o.reason) == (None, NO_PROCESS)
 
 
+def test_an_agent_in_its_own_network_namespace_finds_host_senders_in_pid_1s_table(host):
+    proc, _, services = host
+    # A pod with hostPID but its own network: /proc/net is the pod's, /proc/1/net the node's.
+    proc.process(4242, "/vllm.service", sockets=(70001,))
+    (proc.root / "1" / "net").mkdir(parents=True)
+    (proc.root / "self" / "ns").mkdir(parents=True)
+    os.symlink("net:[4026532100]", proc.root / "self" / "ns" / "net")
+    (proc.root / "1" / "ns").mkdir()
+    os.symlink("net:[4026531840]", proc.root / "1" / "ns" / "net")
+    # The node process reached the agent through a Service: its socket's remote end is the ClusterIP.
+    (proc.root / "1" / "net" / "tcp").write_text(proc.tcp[0] + "\n   0: " + v4("192.168.10.5", 51000) + " " +
+                                                  v4("10.96.0.42", 4317) + " 01 00000000:00000000 00:00000000 "
+                                                  "00000000     0        0 70001 1 0 20 4 30 10 -1\n")
+    o = services.origin(Peer("192.168.10.5", 51000, "10.244.1.9", 4317), {})
+    assert (o.service, o.how, o.pid) == ("vllm", "connection", 4242)
+
+
 def test_a_cached_sender_is_dropped_when_its_socket_closes(host):
     proc, _, services = host
     proc.process(4242, "/vllm.service", sockets=(70001,))

@@ -284,7 +284,7 @@ def test_request_document_has_the_spec_shape():
             "verdict"} <= set(doc)
     assert doc["sched"] == {"runq_wait_seconds": 0.21, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.19}],
-                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3}
+                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": []}
     assert doc["culprits"] == [{"service": "batch", "wait_seconds": 0.19}]
     json.dumps(doc)
 
