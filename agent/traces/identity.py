@@ -271,14 +271,6 @@ class SpanServices:
             self._narrowed[key] = (now, found)
         return found
 
-    def forget(self, peer: Peer) -> None:
-        """Drop what is cached for a connection (it closed)."""
-        with self._lock:
-            sender = self._senders.pop(peer.key(), None)
-            if sender is not None:
-                for key in [k for k in self._narrowed if k[0] == sender[1]]:
-                    del self._narrowed[key]
-
     # --- the connection ----------------------------------------------------
 
     def _sender(self, peer: Peer, now: float) -> _Sender | str:

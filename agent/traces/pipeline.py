@@ -25,7 +25,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from agent.attribution.request_sched import RequestSched, RequestSchedSource
 from agent.attribution.requests import judge, request_document
 from agent.config import Slo
-from agent.identity.services import HOST, KERNEL, UNKNOWN
+from agent.identity.services import HOST, KERNEL, OTHER, UNKNOWN
 from agent.traces.identity import Peer, SpanOrigin, SpanServices, describe_peer, unresolved_hint
 from agent.traces.metrics import TraceCounters
 from agent.traces.request_store import RequestStore
@@ -36,8 +36,9 @@ __all__ = ["RequestPipeline", "SpanSink"]
 
 log = logging.getLogger(__name__)
 
-# Never streamed because a span says so: everything unattributed lives there.
-NEVER_WATCHED = frozenset({HOST, KERNEL.name, UNKNOWN})
+# Never streamed because a span says so: whole-host buckets, whose events would
+# swamp the stream (one span claiming `host` used to cost a fifth of a core).
+NEVER_WATCHED = frozenset({HOST, KERNEL.name, UNKNOWN, OTHER})
 # One warning per unresolved reason at most this often.
 WARN_EVERY_S = 300.0
 

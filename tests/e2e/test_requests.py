@@ -90,6 +90,18 @@ RUNS = (("grpc", "0.15", None, "http://127.0.0.1:{grpc}", False),
         ("grpc-0.16-pidns", "0.16", None, "http://127.0.0.1:{grpc}", True))
 
 
+def wait_for_requests(agent: Agent, wanted: set[str], timeout: float = 40.0) -> dict[str, dict]:
+    """/api/v1/requests by id once every wanted request is in (or the time is up)."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, dict] = {}
+    while not wanted <= set(got) and time.monotonic() < deadline:
+        status, body = http_get(agent.url + "/api/v1/requests", timeout=30)
+        if status == 200:
+            got = {r["request_id"]: r for r in json.loads(body)["requests"]}
+        time.sleep(0.2)
+    return got
+
+
 def server_env(protocol: str | None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     if protocol:
@@ -141,6 +153,9 @@ def scene(tmp_path_factory):
                 assert proc.returncode == 0, err
                 lines = [json.loads(line) for line in out.splitlines()]
                 runs[name] = ([x for x in lines if "request_id" in x], set(lines[-1]["tids"]))
+        # The neighbour's part is done: on a 2-CPU machine shared with other work,
+        # the agent itself must get the CPU to answer the rest in time.
+        (noisy.dir / "cgroup.kill").write_text("1")
         # A process in another cgroup claiming to be the server's service.
         liar = impostor.spawn([sys.executable, str(SERVER), "--otlp-traces-endpoint", f"http://127.0.0.1:{grpc_port}",
                                "--requests", "2", "--prefill", "10000", "--decode", "10000",
@@ -152,12 +167,7 @@ def scene(tmp_path_factory):
         lies = [json.loads(line)["request_id"] for line in out.splitlines() if "request_id" in line]
         # Every request of every run attributed (the agent waits for the kernel side to cover each).
         wanted = {r["request_id"] for reqs, _ in runs.values() for r in reqs} | set(lies)
-        deadline = time.monotonic() + 30
-        while True:
-            got = {r["request_id"]: r for r in agent.get_json("/api/v1/requests")["requests"]}
-            if wanted <= set(got) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        got = wait_for_requests(agent, wanted)
         time.sleep(2.5)  # two more scrapes: the last requests are in Prometheus
         yield agent, runs, got, rec.events, offset_ns, noisy_tids, (prom, time.time()), (lies, impostor.path)
 
@@ -245,7 +255,7 @@ def test_a_claimed_service_name_does_not_move_requests(scene):
         assert doc is not None, f"{rid} never showed up in /api/v1/requests"
         # Its own cgroup's service (an automatic name: the cgroup path), not the one it claims.
         assert (doc["service"], doc["service_from"]) == (impostor_path, "connection"), doc
-    body = http_get(agent.url + "/metrics")[1].decode()
+    body = http_get(agent.url + "/metrics", timeout=30)[1].decode()
     assert 'slatrace_otlp_claims_ignored_total{attribute="service.name"}' in body
     assert 'slatrace_otlp_spans_unresolved_total' not in body.replace("# HELP slatrace_otlp_spans_unresolved_total", "") \
         .replace("# TYPE slatrace_otlp_spans_unresolved_total", "")
@@ -300,3 +310,51 @@ def test_every_requests_dashboard_query_returns_series(scene):
     empty = [(title, q) for title, expr in targets
              if not prom.query(q := substitute(expr, instance, f"{SERVER_SERVICE}|{NOISY_SERVICE}", "30s"), at=at)]
     assert not empty, f"panels without data: {empty}"
+
+
+def test_a_sender_the_agent_cannot_place_is_counted_and_named_once(tmp_path):
+    """A real sender in another network namespace (a veth pair, as a remote
+    host would be): its spans are kept, counted as unresolved, and the agent
+    logs one warning naming the fix — not one per span."""
+    reason = kernel_unavailable()
+    if reason:
+        require_kernel(reason)
+    tag = f"{os.getpid() % 100000}"
+    ns, host_if, ns_if = f"slt-{tag}", f"slth{tag}", f"sltn{tag}"
+    net = f"10.213.{os.getpid() % 250}"
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    try:
+        ip("netns", "add", ns)
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", ns)
+        ip("addr", "add", f"{net}.1/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("netns", "exec", ns, "ip", "addr", "add", f"{net}.2/30", "dev", ns_if)
+        ip("netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        port = free_port()
+        with Agent("--otlp-http-listen", f"{net}.1:{port}", interval=0.5) as agent, TestCgroup("remote") as cg:
+            proc = cg.spawn(["ip", "netns", "exec", ns, sys.executable, str(SERVER), "--otlp-traces-endpoint",
+                             f"http://{net}.1:{port}/v1/traces", "--requests", "3", "--prefill", "10000",
+                             "--decode", "10000", "--prefix", f"remote-{os.getpid()}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=server_env("http/protobuf"))
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            sent = [json.loads(line)["request_id"] for line in out.splitlines() if "request_id" in line]
+            # Kept, without figures: nobody to charge them to.
+            got = wait_for_requests(agent, set(sent))
+            assert all((got[rid]["service"], got[rid]["service_from"], got[rid]["sched"]) ==
+                       ("unknown", "unresolved", None) for rid in sent), got
+            metrics = http_get(agent.url + "/metrics", timeout=30)[1].decode()
+            assert f'slatrace_otlp_spans_unresolved_total{{reason="remote_peer"}} {float(len(sent))}' in metrics
+            agent.stop()
+            log = agent.output()
+        warnings = [line for line in log.splitlines() if "not attributed to any service (remote_peer)" in line]
+        assert len(warnings) == 1, log
+        assert f"request spans from {net}.2:" in warnings[0] and "point the server at the agent" in warnings[0]
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
