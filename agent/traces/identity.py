@@ -420,7 +420,8 @@ def unresolved_hint(reason: str) -> str:
         SOCKET_NOT_FOUND: "its socket is not in the agent's network namespace; run the agent in the host's "
                           "network namespace (hostNetwork: true)",
         NO_PROCESS: "no visible process holds its socket; run the agent in the host's pid namespace "
-                    "(hostPID: true)",
+                    "(hostPID: true), and give it CAP_SYS_PTRACE if the sender runs as another user "
+                    "(its /proc/PID/fd is unreadable otherwise)",
         NO_CGROUP: "its cgroup is not under the agent's cgroup2 mount; mount the host's cgroup2 tree",
     }.get(reason, "see the agent's documentation")
 
