@@ -9,8 +9,7 @@ real vLLM sends — and nothing it does not:
   `vllm.process_id` (the pid as a string, in vLLM's own pid namespace);
 - the exporter: chosen by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (gRPC unless it
   says `http/protobuf`) and built from the endpoint as given, so up to 0.15 a
-  gRPC endpoint without `http://` means TLS; from 0.16 gRPC is always insecure
-  and a `grpc://` prefix is stripped;
+  gRPC endpoint without `http://` means TLS; from 0.16 gRPC is always insecure;
 - a BatchSpanProcessor with its defaults (a batch every 5 s).
 
 The V1 engine's span: the request's external id, latencies, token counts, and
@@ -50,8 +49,6 @@ def span_exporter(endpoint: str, release: str = "0.15"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         if release == "0.15":
             return OTLPSpanExporter(endpoint=endpoint)
-        if endpoint.startswith("grpc://"):
-            endpoint = endpoint[len("grpc://"):]
         return OTLPSpanExporter(endpoint=endpoint, insecure=True)
     if protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
