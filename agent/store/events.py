@@ -9,8 +9,10 @@ Layout, for speed of the window cut: per cgroup, one column per (kind, other
 cgroup), sorted by end time, with running totals of durations. A window is
 then two binary searches per column plus a short scan of the events that
 straddle its edges (bounded by the column's longest event), whatever the
-number of waits inside it. About 24 bytes per event; `max_events` bounds
-memory, dropping the oldest.
+number of waits inside it. Run-queue waits are also kept per thread (one
+column per thread id), so a request's wait splits by thread. About 24 bytes
+per event, 48 for a run-queue wait; `max_events` bounds each of the two sets,
+dropping the oldest.
 """
 
 from __future__ import annotations
