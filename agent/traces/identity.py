@@ -248,7 +248,7 @@ class SpanServices:
         self._max_cached = max_cached
         self._clock = clock
         self._lock = threading.Lock()
-        self._senders: dict[tuple, tuple[float, _Sender | str]] = {}   # connection -> sender or reason
+        self._senders: dict[tuple, tuple[float, int, _Sender | str]] = {}  # connection -> (when, pods generation, sender or reason)
         self._narrowed: dict[tuple, tuple[float, SpanOrigin]] = {}      # (sender, hints) -> origin
 
     def origin(self, peer: Peer | None, resource: Mapping[str, Any]) -> SpanOrigin:
@@ -274,17 +274,24 @@ class SpanServices:
     # --- the connection ----------------------------------------------------
 
     def _sender(self, peer: Peer, now: float) -> _Sender | str:
+        generation = self._pods.generation if self._pods is not None else 0
         with self._lock:
             hit = self._senders.get(peer.key())
         # A cached sender is checked each time: the peer's port may belong to
-        # a new connection of another process once the old one closed.
-        if hit is not None and now - hit[0] < self._ttl and (isinstance(hit[1], str) or hit[1].alive()):
-            return hit[1]
+        # a new connection of another process once the old one closed, and a
+        # pod's IP to another pod once the pod index changed.
+        if hit is not None and now - hit[0] < self._ttl:
+            when, seen, sender = hit
+            if isinstance(sender, _Sender) and sender.how == "connection":
+                if sender.alive():
+                    return sender
+            elif seen == generation:
+                return sender
         found = self._find_sender(peer)
         with self._lock:
             if len(self._senders) >= self._max_cached:
                 self._senders.clear()
-            self._senders[peer.key()] = (now, found)
+            self._senders[peer.key()] = (now, generation, found)
         return found
 
     def _find_sender(self, peer: Peer) -> _Sender | str:

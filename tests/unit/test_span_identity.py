@@ -197,6 +197,9 @@ def test_pod_ip_is_its_pod_and_a_pid_picks_the_container(host):
     assert set(o.ignored) == {"k8s.pod.uid", "container.id"}
     # A hostNetwork pod's IP is the node's: not indexed, so not its pod.
     assert services.origin(Peer("192.168.10.5", 38001, None, 4317), {}).reason == REMOTE_PEER
+    # The pod goes; its IP is then nobody's, whatever was cached for the connection.
+    services._pods.replace([p for p in PODS if p["metadata"]["uid"] != VLLM_POD])
+    assert services.origin(peer, {}).reason == REMOTE_PEER
 
 
 def test_unresolved_reasons(host):
