@@ -21,6 +21,9 @@ __all__ = [
     "Config",
     "ConfigError",
     "DEFAULT_CONFIG_YAML",
+    "REQUEST_SERVERS",
+    "RequestSpanRule",
+    "RequestSpans",
     "ServiceRule",
     "Slo",
     "load_config",
@@ -63,6 +66,30 @@ class Slo:
     request_ttft_p99: float | None = None
 
 
+# Inference servers whose request spans (and command lines) the agent knows.
+REQUEST_SERVERS = ("vllm", "sglang", "triton", "tgi")
+
+
+@dataclass(frozen=True)
+class RequestSpanRule:
+    """Which spans are requests: a glob on the span name, the attributes holding
+    the request id (first present wins; none: the span id) and the durations."""
+
+    span_name: str
+    request_id: tuple[str, ...] = ()
+    e2e: str | None = None
+    queue: str | None = None
+    ttft: str | None = None
+    server: str = "custom"
+
+
+@dataclass(frozen=True)
+class RequestSpans:
+    servers: tuple[str, ...] = ("vllm",)     # presets in force (spans and command lines)
+    rules: tuple[RequestSpanRule, ...] = ()  # for other servers
+    watch: tuple[str, ...] = ()              # services streamed from the start
+
+
 @dataclass(frozen=True)
 class Config:
     interval: float = 1.0
@@ -74,6 +101,8 @@ class Config:
     # Globs on service names whose histograms keep their buckets, besides the
     # services that have an SLO or are named by a rule.
     histograms: tuple[str, ...] = ()
+
+    request_spans: RequestSpans = RequestSpans()
 
     def histogram_globs(self) -> tuple[str, ...]:
         """Globs on the services whose histograms carry buckets: those an SLO
@@ -106,9 +135,24 @@ slos: []
 #  - service: vllm
 #    runq_p99: 0.005            # seconds
 #    request_e2e_p99: 2.0       # seconds, judged from the service's request spans
+
+# Request spans received over OTLP. Servers found by their command line (and the
+# services listed under watch) are streamed from the agent's start.
+request_spans:
+  servers: [vllm]              # presets: vllm, sglang, triton, tgi
+  rules: []
+#  - span_name: "handle_request"   # glob on the span name
+#    request_id: [app.request_id]  # attributes holding the id (else the span id)
+#    e2e: app.total_seconds        # optional: end to end, queue and first-token times
+#    queue: app.queue_seconds
+#    ttft: app.ttft_seconds
+  watch: []
 """
 
-_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "histograms", "services", "slos")
+_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "histograms", "services", "slos",
+             "request_spans")
+_REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
+_REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
     "cgroup",
     "comm",
@@ -200,6 +244,7 @@ def parse_config(data: Any, source: str) -> Config:
         services=rules,
         slos=slos,
         histograms=histograms,
+        request_spans=_request_spans(top.get("request_spans"), source),
     )
 
 
@@ -238,6 +283,46 @@ def _short(value: Any, limit: int = 60) -> str:
     expands, what it was given (a YAML alias can stand for gigabytes)."""
     text = _REPR.repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _request_spans(value: Any, source: str) -> RequestSpans:
+    if value is None:
+        return RequestSpans()
+    m = _mapping(value, source, "request_spans", "the request span settings", _REQUEST_SPANS_KEYS)
+    servers = _names(m, "servers", source, list(RequestSpans().servers))
+    for name in servers:
+        if name not in REQUEST_SERVERS:
+            raise ConfigError(f"{source}: request_spans.servers: unknown server {name!r} "
+                              f"(known: {', '.join(REQUEST_SERVERS)}; describe others under request_spans.rules)")
+    rules = []
+    for i, item in enumerate(_sequence(m, "rules", f"{source}: request_spans")):
+        where = f"request_spans.rules[{i}]"
+        r = _mapping(item, source, where, "a request span rule", _REQUEST_RULE_KEYS)
+        name = r.get("span_name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{source}: {where}.span_name: expected a glob on the span name, got {name!r}")
+        ids = r.get("request_id")
+        ids = [ids] if isinstance(ids, str) else (ids or [])
+        if not isinstance(ids, list) or not all(isinstance(x, str) and x for x in ids):
+            raise ConfigError(f"{source}: {where}.request_id: expected an attribute name or a list of them, "
+                              f"got {r.get('request_id')!r}")
+        durations = {}
+        for key in ("e2e", "queue", "ttft"):
+            if r.get(key) is not None and not (isinstance(r[key], str) and r[key]):
+                raise ConfigError(f"{source}: {where}.{key}: expected an attribute name, got {r[key]!r}")
+            durations[key] = r.get(key)
+        rules.append(RequestSpanRule(name, tuple(ids), **durations))
+    return RequestSpans(servers=tuple(servers), rules=tuple(rules),
+                        watch=tuple(_names(m, "watch", source, [])))
+
+
+def _names(m: dict[str, Any], key: str, source: str, default: list[str]) -> list[str]:
+    value = m.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, list) or not all(isinstance(x, str) and x.strip() for x in value):
+        raise ConfigError(f"{source}: request_spans.{key}: expected a list of names, got {value!r}")
+    return value
 
 
 def _service_rule(item: Any, source: str, where: str) -> ServiceRule:

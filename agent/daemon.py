@@ -29,6 +29,7 @@ from agent.export.prometheus import SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
+from agent.identity.threads import ThreadNames
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
@@ -109,7 +110,7 @@ class Daemon:
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
-                                        IntervalSched(self.store, config.interval))
+                                        IntervalSched(self.store, config.interval), thread_names=ThreadNames())
         self._watched: set[int] = set()
         self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
         self._traces = None  # agent.traces.runtime.Traces once the probe is attached
@@ -204,7 +205,7 @@ class Daemon:
                                   lambda: {r.name for r in self.config.services} | set(self.store.totals()),
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
-                                  otlp_protocol=getattr(self.options, "otlp_protocol", None))
+                                  otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods)
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
             self._traces.start()

@@ -38,6 +38,7 @@ from agent.export.prometheus import SlatraceCollector  # noqa: E402
 from agent.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
+from agent.traces.metrics import TraceCollector, TraceCounters  # noqa: E402
 
 DOC = REPO / "docs" / "metrics.md"
 QS = (0.5, 0.9, 0.95, 0.99)
@@ -75,6 +76,29 @@ def scrape_text() -> str:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(SlatraceCollector(store, sources=sources))
     return generate_latest(registry).decode()
+
+
+def trace_scrape_text() -> str:
+    """The trace receiver's own families, every label filled once."""
+    counters = TraceCounters()
+    counters.add_received("grpc", 3)
+    counters.add_rejected("http", "malformed")
+    counters.add_request("vllm", 0.01, [], 0.0)
+    counters.add_unresolved("remote_peer")
+    counters.add_claim_ignored("service.name")
+    counters.add_forwarded(1)
+    counters.add_forward_dropped("queue_full", 1)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(TraceCollector(counters))
+    return generate_latest(registry).decode()
+
+
+def _family_row(fam) -> str:
+    seen = sorted({k for s in fam.samples for k in s.labels if k not in ("le", "quantile")})
+    extra = {"histogram": ["le"], "summary": ["quantile"]}.get(fam.type, [])
+    labels = ", ".join(f"`{k}`" for k in seen + extra) or "—"
+    name = fam.name + ("_total" if fam.type == "counter" else "")
+    return f"| `{name}` | {fam.type} | {labels} | {fam.documentation} |"
 
 
 def prometheus_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[int]) -> float:
@@ -157,6 +181,19 @@ def render() -> str:
         out.append(f"| {names} | {fam.type} | {labels} | {fam.documentation} | {spec.source} |")
     assert set(families) == set(specs), "catalog and exposition disagree"
 
+    out += [
+        "",
+        "## OTLP trace receiver",
+        "",
+        "Exposed beside the above by the trace side (request spans in, attributed requests out).",
+        "A request span is attributed to the service of whoever sent it, found from the",
+        "connection (SPEC.md); `slatrace_otlp_spans_unresolved_total` counts the spans that",
+        "could not be, and the agent logs one warning per reason every few minutes naming the fix.",
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    out += [_family_row(f) for f in text_string_to_metric_families(trace_scrape_text())]
     out += [
         "",
         "Sources: `store` is computed from the BPF maps through the store; `config slos` needs",

@@ -28,6 +28,8 @@ class RequestSched:
     resolution_seconds: float                     # how finely the window was cut
     # waits after a wakeup, by who held the CPU until they ended ("idle": nobody)
     waited_behind: tuple[tuple[str, float], ...] = ()
+    # the wait by the service's own (pid, process name, thread name), largest first (exact figures only)
+    by_thread: tuple[tuple[int, str, str, float], ...] = ()
 
     def as_dict(self) -> dict:
         return {
@@ -37,7 +39,12 @@ class RequestSched:
             "waited_behind": [{"service": s, "wait_seconds": w} for s, w in self.waited_behind],
             "iowait_seconds": self.iowait_seconds,
             "migrations": self.migrations,
+            "by_thread": [{"pid": pid, "process": process, "thread": thread, "wait_seconds": w}
+                          for pid, process, thread, w in self.by_thread],
         }
+
+
+MAX_THREADS_SHOWN = 10
 
 
 def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
@@ -47,6 +54,9 @@ def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
 class RequestSchedSource(Protocol):
     def watch(self, service: str) -> None:
         """Record finely for `service` from now on (it sends request spans)."""
+
+    def pin(self, services: set[str]) -> None:
+        """Record finely for these services whether they send or not (replaces the last set)."""
 
     def covered_until(self) -> float:
         """Wall-clock time up to which figures are complete; ask between() for
@@ -64,6 +74,9 @@ class IntervalSched:
         self._interval = interval_s
 
     def watch(self, service: str) -> None:
+        pass
+
+    def pin(self, services: set[str]) -> None:
         pass
 
     def covered_until(self) -> float:
@@ -109,30 +122,60 @@ def wall_minus_mono_ns() -> int:
 class EventSched:
     """Exact figures from the kernel's per-wait events of watched services.
 
-    A service is watched from the first request span it sends; requests that
-    started before its events began flowing get the interval-prorated figures
-    of `fallback` (and say so through resolution_seconds).
+    A service is watched from the first request span it sends, or from the
+    start when it is pinned (a request server found by its command line), and
+    stops being watched `idle_s` after its last span; requests that started
+    before its events began flowing get the interval-prorated figures of
+    `fallback` (and say so through resolution_seconds).
     """
 
     def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
-                 fallback: RequestSchedSource) -> None:
+                 fallback: RequestSchedSource, *, idle_s: float = 120.0,
+                 clock: Callable[[], float] = time.time,
+                 thread_names: Callable[[int], tuple[int, str, str] | None] = lambda tid: None) -> None:
         self._log = log
         self._cgroups_of = cgroups_of
         self._service_of = service_of
         self._fallback = fallback
         self._lock = threading.Lock()
         self._watching: dict[str, float] = {}     # service -> wall time events began
+        self._last_span: dict[str, float] = {}    # service -> wall time of its last request span
+        self._pinned: frozenset[str] = frozenset()
+        self._idle_s = idle_s
+        self._clock = clock
+        self._thread_names = thread_names
         self._covered_until = 0.0
         self._offset_ns = wall_minus_mono_ns()
 
     def watch(self, service: str) -> None:
         with self._lock:
             self._watching.setdefault(service, float("inf"))  # starts at the next refresh
+            self._last_span[service] = self._clock()
+
+    def pin(self, services: set[str]) -> None:
+        """Watch these services whether or not they send (replaces the last set)."""
+        now = self._clock()
+        with self._lock:
+            for service in self._pinned - services:
+                self._last_span.setdefault(service, now)  # idle from now unless it sends
+            self._pinned = frozenset(services)
+            for service in services:
+                self._watching.setdefault(service, float("inf"))
+
+    def watching(self) -> set[str]:
+        with self._lock:
+            return set(self._watching)
 
     def watched_cgroups(self) -> set[int]:
         """The cgroups to stream events for now; marks newly watched services
-        as covered from this moment on."""
+        as covered from this moment on, and stops watching services that
+        stopped sending."""
+        now = self._clock()
         with self._lock:
+            for service in [s for s in self._watching if s not in self._pinned
+                            and now - self._last_span.get(s, now) > self._idle_s]:
+                del self._watching[service]
+                self._last_span.pop(service, None)
             services = list(self._watching)
         cgids: set[int] = set()
         for service in services:
@@ -165,7 +208,9 @@ class EventSched:
         if start < since:
             return self._fallback.between(service, start, end)
         offset = self._offset_ns
-        f = self._log.between(self._cgroups_of(service), int(start * 1e9) - offset, int(end * 1e9) - offset)
+        cgids = self._cgroups_of(service)
+        lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
+        f = self._log.between(cgids, lo, hi)
         by: dict[str, float] = {}
         for cgid, wait_ns in f.preempted_by.items():
             name = self._service_of(cgid) if cgid else UNKNOWN_SERVICE
@@ -175,4 +220,14 @@ class EventSched:
             name = self._service_of(cgid) if cgid else IDLE
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
-                            resolution_seconds=1e-6, waited_behind=_ranked(behind))
+                            resolution_seconds=1e-6, waited_behind=_ranked(behind),
+                            by_thread=self._by_thread(self._log.waits_by_thread(cgids, lo, hi)))
+
+    def _by_thread(self, waits: dict[int, int]) -> tuple[tuple[int, str, str, float], ...]:
+        """Waits by (pid, process, thread name): a pool's threads share a name and add up."""
+        named: dict[tuple[int, str, str], int] = {}
+        for tid, ns in waits.items():
+            key = self._thread_names(tid) or (0, "?", f"tid {tid}")  # gone before the request was attributed
+            named[key] = named.get(key, 0) + ns
+        ranked = sorted(named.items(), key=lambda kv: kv[1], reverse=True)[:MAX_THREADS_SHOWN]
+        return tuple((pid, process, thread, ns / 1e9) for (pid, process, thread), ns in ranked)

@@ -181,6 +181,15 @@ def print_explain(doc: dict) -> None:
                       f"iowait {_fmt(sched['iowait_seconds'])}   "
                       f"resolution {_fmt(doc.get('sched_resolution_seconds'))}"
                       + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))
+        threads = sched.get("by_thread") or []
+        if threads:
+            where = Table(title="run-queue wait by process and thread", title_justify="left", box=None,
+                          pad_edge=False)
+            for column in ("process", "pid", "thread", "wait"):
+                where.add_column(column, justify="right" if column in ("pid", "wait") else "left")
+            for t in threads:
+                where.add_row(t["process"], str(t["pid"]), t["thread"], _fmt(t["wait_seconds"]))
+            console.print(where)
     for s in doc.get("slo") or []:
         state = "[green]ok[/]" if s["ok"] else "[red]BREACH[/]"
         console.print(f"SLO {s['name']}: {_fmt(s.get('value'))} vs target {_fmt(s['target'])} {state}")

@@ -113,6 +113,8 @@ class PodInfo:
     # container ID (runtime prefix stripped) -> container name
     containers: Mapping[str, str]
     node: str | None
+    # The pod's own IPs (status.podIPs); none for a hostNetwork pod, whose IP is the node's.
+    ips: tuple[str, ...] = ()
 
     @property
     def service_name(self) -> str:
@@ -174,6 +176,10 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
             if cid and cs.get("name"):
                 containers[_strip_runtime(cid)] = str(cs["name"])
     workload, kind = workload_name(pod)
+    ips: tuple[str, ...] = ()
+    if not (pod.get("spec") or {}).get("hostNetwork"):
+        listed = [str(p.get("ip")) for p in status.get("podIPs") or [] if p.get("ip")]
+        ips = tuple(dict.fromkeys(listed + ([str(status["podIP"])] if status.get("podIP") else [])))
     return PodInfo(
         uid=str(uid).lower(),
         namespace=str(meta.get("namespace") or "default"),
@@ -183,6 +189,7 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         labels=dict(meta.get("labels") or {}),
         containers=containers,
         node=(pod.get("spec") or {}).get("nodeName"),
+        ips=ips,
     )
 
 
@@ -219,6 +226,12 @@ class PodIndex:
     def get(self, uid: str) -> PodInfo | None:
         with self._lock:
             return self._pods.get(uid.lower())
+
+    def by_ip(self, ip: str) -> PodInfo | None:
+        """The running pod with this IP (a finished pod's IP may be reused)."""
+        with self._lock:
+            pods = [p for p in self._pods.values() if ip in p.ips]
+        return pods[0] if len(pods) == 1 else None
 
     def __len__(self) -> int:
         with self._lock:

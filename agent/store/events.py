@@ -9,8 +9,10 @@ Layout, for speed of the window cut: per cgroup, one column per (kind, other
 cgroup), sorted by end time, with running totals of durations. A window is
 then two binary searches per column plus a short scan of the events that
 straddle its edges (bounded by the column's longest event), whatever the
-number of waits inside it. About 24 bytes per event; `max_events` bounds
-memory, dropping the oldest.
+number of waits inside it. Run-queue waits are also kept per thread (one
+column per thread id), so a request's wait splits by thread. About 24 bytes
+per event, 48 for a run-queue wait; `max_events` bounds each of the two sets,
+dropping the oldest.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class _Column:
         return total, count
 
 
+THREAD_KEY = -1  # a column key's "kind" for one thread's run-queue waits
+
+
 @dataclass(frozen=True)
 class WindowFigures:
     runq_wait_ns: int
@@ -100,9 +105,11 @@ class EventLog:
     def __init__(self, retention_ns: int, max_events: int = 2_000_000) -> None:
         self._retention_ns = retention_ns
         self._max_events = max_events
-        # cgroup -> (kind, other cgroup) -> column
+        # cgroup -> (kind, other cgroup) -> column; run-queue waits also by thread,
+        # under (THREAD_KEY, tid), so a request's wait can be split by thread.
         self._cgroups: dict[int, dict[tuple[int, int], _Column]] = {}
         self._count = 0
+        self._thread_count = 0  # the per-thread copies of run-queue waits, capped alike
         self._lock = threading.Lock()
         self.dropped = 0
 
@@ -118,6 +125,12 @@ class EventLog:
                 if col is None:
                     col = columns[key] = _Column()
                 col.add(e.start_ns, e.end_ns)
+                if e.kind in (EV_RUNQ, EV_PREEMPTED) and e.tid:
+                    by_thread = columns.get((THREAD_KEY, e.tid))
+                    if by_thread is None:
+                        by_thread = columns[(THREAD_KEY, e.tid)] = _Column()
+                    by_thread.add(e.start_ns, e.end_ns)
+                    self._thread_count += 1
                 if e.end_ns > newest:
                     newest = e.end_ns
             self._count += len(events)
@@ -126,17 +139,27 @@ class EventLog:
 
     def _prune(self, horizon_ns: int) -> None:
         for columns in self._cgroups.values():
-            for col in columns.values():
+            for key, col in list(columns.items()):
                 n = bisect_left(col.end, horizon_ns)
-                if n:
+                if key[0] == THREAD_KEY:
+                    col.drop_first(n)
+                    self._thread_count -= n
+                    if not col.end:
+                        del columns[key]  # threads come and go; their columns must too
+                elif n:
                     col.drop_first(n)
                     self._count -= n
         while self._count > self._max_events:
-            col = max((c for cols in self._cgroups.values() for c in cols.values()), key=len)
+            col = max((c for cols in self._cgroups.values() for k, c in cols.items() if k[0] != THREAD_KEY), key=len)
             n = max(1, len(col) // 10)
             col.drop_first(n)
             self._count -= n
             self.dropped += n
+        while self._thread_count > self._max_events:
+            col = max((c for cols in self._cgroups.values() for k, c in cols.items() if k[0] == THREAD_KEY), key=len)
+            n = max(1, len(col) // 10)
+            col.drop_first(n)
+            self._thread_count -= n
 
     def __len__(self) -> int:
         return self._count
@@ -149,6 +172,8 @@ class EventLog:
         with self._lock:
             for cgid in cgids:
                 for (kind, other), col in self._cgroups.get(cgid, {}).items():
+                    if kind == THREAD_KEY:
+                        continue
                     if kind == EV_MIGRATE:
                         migrations += bisect_right(col.end, end_ns) - bisect_left(col.end, start_ns)
                         continue
@@ -167,3 +192,15 @@ class EventLog:
                         runq_count += count
                         behind[other] = behind.get(other, 0) + total
         return WindowFigures(runq, runq_count, preemptions, by, behind, iowait, migrations)
+
+    def waits_by_thread(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, int]:
+        """tid -> run-queue wait (ns) of the cgroups' threads clipped to [start_ns, end_ns]."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for cgid in cgids:
+                for (kind, tid), col in self._cgroups.get(cgid, {}).items():
+                    if kind == THREAD_KEY:
+                        total, _ = col.overlap(start_ns, end_ns)
+                        if total:
+                            out[tid] = out.get(tid, 0) + total
+        return out

@@ -37,10 +37,11 @@ def request_routes(store: RequestStore) -> dict[str, Callable[[Query], Response]
         request_id = unquote(query.get("_tail", [""])[0]).strip("/")
         if not request_id:
             return listing(query)
-        doc = store.get(request_id)
-        if doc is None:
+        docs = store.get_all(request_id)
+        if not docs:
             return error(404, f"no request {request_id!r} in the last {store.retention_s:.0f} s; "
                               f"list them with {REQUESTS_PATH}")
-        return json_response(200, doc)
+        # With n > 1 the child requests share the id: the first answers, the others ride along.
+        return json_response(200, dict(docs[0], siblings=docs[1:]) if len(docs) > 1 else docs[0])
 
     return {REQUESTS_PATH: listing, REQUESTS_PATH + "/": one}

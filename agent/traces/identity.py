@@ -1,17 +1,31 @@
-"""Which slatrace service sent a span, from its resource attributes.
+"""Which slatrace service sent a span: from the connection it came on.
 
-SPEC order: `process.pid` (that process's cgroup v2 path -> cgroup id -> the
-service the BPF side counts it under), then `k8s.pod.uid` / `container.id`
-(found inside a cgroup path), then `service.name` when it already names a
-slatrace service. The pid is only meaningful in the agent's pid namespace, so a
-pid that does not exist here falls through to the next rule.
+A span's resource says whatever its sender wants, and vLLM says almost nothing
+(the OTel SDK's default resource; from 0.16 also `vllm.process_id`, a pid in
+vLLM's own pid namespace). So the sender is found from who is at the other end
+of the connection:
 
-Answers are cached briefly: spans arrive thousands per second from a handful of
-processes, while /proc and the cgroup tree change slowly.
+- a local peer (loopback, or any address of this host): the peer's socket in
+  /proc/net/tcp{,6} -> its inode -> the process holding it (/proc/*/fd) -> its
+  cgroup -> the service;
+- a pod IP: the pod (the pod index) -> its containers' cgroups.
+
+Resource attributes are hints that may only narrow within that identity: a
+pid (`vllm.process_id`, `process.pid`) is translated through the NSpid line of
+/proc/PID/status among the sender's own processes, a `container.id` or
+`k8s.pod.uid` must be the sender's. A hint that contradicts the connection is
+ignored and reported (`SpanOrigin.ignored`); `service.name` never names a
+service.
+
+A batch exporter keeps its connection open, so the answer is cached per
+connection; /proc is read again only when the entry ages out.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -20,18 +34,43 @@ from pathlib import Path
 from typing import Any
 
 from agent.identity.cgroups import CgroupPaths
+from agent.identity.kubernetes import PodIndex, parse_kubepods_path
 
-__all__ = ["SpanOrigin", "SpanServices", "cgroup_v2_path"]
+__all__ = ["PID_HINTS", "Peer", "SpanOrigin", "SpanServices", "cgroup_v2_path", "describe_peer", "ns_pids",
+           "parse_grpc_peer", "socket_owner", "tcp_socket_inode", "unresolved_hint"]
+
+# Resource attributes that name the sending process, in the order they are read.
+PID_HINTS = ("vllm.process_id", "process.pid")
+
+# Why a span has no service (the `reason` label of slatrace_otlp_spans_unresolved_total).
+NO_PEER = "no_peer"              # the transport gave no peer address
+REMOTE_PEER = "remote_peer"      # neither this host nor a pod of this node
+SOCKET_NOT_FOUND = "socket_not_found"  # a local peer whose socket is not in this network namespace
+NO_PROCESS = "no_process"        # the socket has no visible owner (another pid namespace, or closed)
+NO_CGROUP = "no_cgroup"          # the process or pod has no cgroup the agent knows
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The remote end of a connection and, when known, the agent's end of it."""
+
+    host: str
+    port: int
+    local_host: str | None = None
+    local_port: int | None = None
+
+    def key(self) -> tuple:
+        return (self.host, self.port, self.local_host, self.local_port)
 
 
 @dataclass(frozen=True)
 class SpanOrigin:
-    service: str | None     # None: no rule matched
-    how: str                # "process.pid", "k8s.pod.uid", "container.id", "service.name" or "unresolved"
+    service: str | None     # None: unresolved (see `reason`)
+    how: str                # "connection", "pod_ip", or the hint that narrowed it ("vllm.process_id", ...)
     cgroup_id: int | None = None
-
-
-_UNRESOLVED = SpanOrigin(None, "unresolved")
+    pid: int | None = None  # the sending process on this host, when known
+    reason: str | None = None            # why unresolved
+    ignored: tuple[str, ...] = ()        # hints that contradicted the connection
 
 
 def cgroup_v2_path(proc_cgroup_text: str) -> str | None:
@@ -42,6 +81,151 @@ def cgroup_v2_path(proc_cgroup_text: str) -> str | None:
     return None
 
 
+def parse_grpc_peer(peer: str | None) -> tuple[str, int] | None:
+    """grpcio's `context.peer()` ("ipv4:127.0.0.1:54321", "ipv6:[::1]:5432") as (host, port)."""
+    if not peer:
+        return None
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None  # unix sockets and the like carry no address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+_ESTABLISHED = "01"  # the st column of /proc/net/tcp
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        addr = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def _proc_net_addr(field: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int] | None:
+    """"0100007F:1F90" (or the 32-hex-digit IPv6 form) from /proc/net/tcp{,6}:
+    the address is stored as native-endian 32-bit words."""
+    hex_addr, _, hex_port = field.partition(":")
+    try:
+        raw = bytes.fromhex(hex_addr)
+        port = int(hex_port, 16)
+    except ValueError:
+        return None
+    if len(raw) not in (4, 16):
+        return None
+    words = b"".join(raw[i:i + 4][::-1] if sys.byteorder == "little" else raw[i:i + 4]
+                     for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(words)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr, port
+
+
+def tcp_socket_inode(proc: Path, peer: Peer, net: str = "net", *, exact: bool = True) -> int | None:
+    """The inode of the connected socket whose own address is `peer`, from
+    `proc`/`net`/tcp and tcp6 (one network namespace's table). `exact` also
+    asks its remote end to be the agent's end of the connection, when known."""
+    want = _ip(peer.host)
+    local = _ip(peer.local_host) if peer.local_host else None
+    if want is None:
+        return None
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = (proc / net / name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10 or f[3] != _ESTABLISHED:
+                continue
+            mine, theirs = _proc_net_addr(f[1]), _proc_net_addr(f[2])
+            if mine is None or theirs is None or mine != (want, peer.port):
+                continue
+            if exact and peer.local_port is not None and theirs[1] != peer.local_port:
+                continue
+            if exact and local is not None and not local.is_unspecified and theirs[0] != local:
+                continue
+            if f[9].isdigit() and int(f[9]) != 0:
+                return int(f[9])
+    return None
+
+
+def socket_owner(proc: Path, inode: int) -> tuple[int, Path] | None:
+    """The process holding socket `inode` and the fd it holds it by (the
+    lowest pid if several share it)."""
+    target = f"socket:[{inode}]"
+    found = None
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or (found is not None and int(entry.name) >= found[0]):
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) == target:
+                    found = (int(entry.name), fd)
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def ns_pids(proc: Path, pid: int) -> tuple[int, ...]:
+    """The NSpid line of /proc/PID/status: the pid in each pid namespace, the
+    host's first and the process's own last; () if the process is gone."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return tuple(int(x) for x in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def _pid_ns(proc: Path, pid: int) -> str | None:
+    try:
+        return os.readlink(proc / str(pid) / "ns" / "pid")
+    except OSError:
+        return None
+
+
+def _claimed_pid(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value > 0 else None
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip()) or None
+    return None
+
+
+@dataclass(frozen=True)
+class _Sender:
+    """What the connection proves: the candidate cgroups (path -> id), and the
+    process when it is known."""
+
+    how: str
+    cgroups: tuple[tuple[str, int], ...]
+    pid: int | None = None
+    pod_uid: str | None = None
+    socket: tuple[Path, str] | None = None  # (/proc/PID/fd/N, "socket:[inode]") while the connection lives
+
+    def alive(self) -> bool:
+        if self.socket is None:
+            return True
+        try:
+            return os.readlink(self.socket[0]) == self.socket[1]
+        except OSError:
+            return False
+
+
 class SpanServices:
     def __init__(
         self,
@@ -50,7 +234,8 @@ class SpanServices:
         known_services: Callable[[], Iterable[str]],
         proc_root: Path = Path("/proc"),
         *,
-        ttl_s: float = 5.0,
+        pods: PodIndex | None = None,
+        ttl_s: float = 60.0,
         max_cached: int = 4096,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -58,64 +243,192 @@ class SpanServices:
         self._service_of = service_of
         self._known_services = known_services
         self._proc = Path(proc_root)
+        self._pods = pods
         self._ttl = ttl_s
         self._max_cached = max_cached
         self._clock = clock
         self._lock = threading.Lock()
-        self._cache: dict[tuple, tuple[float, SpanOrigin]] = {}
+        self._senders: dict[tuple, tuple[float, int, _Sender | str]] = {}  # connection -> (when, pods generation, sender or reason)
+        self._narrowed: dict[tuple, tuple[float, SpanOrigin]] = {}      # (sender, hints) -> origin
 
-    def origin(self, resource: Mapping[str, Any]) -> SpanOrigin:
-        # Only the attributes the rules read form the key, so spans of one
-        # process share one entry whatever else their resource carries.
-        key = (resource.get("process.pid"), resource.get("k8s.pod.uid"), resource.get("container.id"),
-               resource.get("service.name"))
+    def origin(self, peer: Peer | None, resource: Mapping[str, Any]) -> SpanOrigin:
+        if peer is None:
+            return SpanOrigin(None, "unresolved", reason=NO_PEER)
         now = self._clock()
+        sender = self._sender(peer, now)
+        if isinstance(sender, str):
+            return SpanOrigin(None, "unresolved", reason=sender)
+        hints = tuple(repr(resource.get(k)) for k in PID_HINTS + ("container.id", "k8s.pod.uid", "service.name"))
+        key = (sender, hints)
         with self._lock:
-            hit = self._cache.get(key)
+            hit = self._narrowed.get(key)
         if hit is not None and now - hit[0] < self._ttl:
             return hit[1]
-        found = self._resolve(*key)
+        found = self._narrow(sender, resource)
         with self._lock:
-            if len(self._cache) >= self._max_cached:
-                self._cache.clear()  # rare: many distinct senders; a refill is cheap
-            self._cache[key] = (now, found)
+            if len(self._narrowed) >= self._max_cached:
+                self._narrowed.clear()  # rare: many distinct senders; a refill is cheap
+            self._narrowed[key] = (now, found)
         return found
 
-    def _resolve(self, pid: Any, pod_uid: Any, container_id: Any, service_name: Any) -> SpanOrigin:
-        if isinstance(pid, (int, str)) and not isinstance(pid, bool) and str(pid).isdigit():
-            found = self._by_pid(int(pid))
-            if found is not None:
-                return found
-        for value, how in ((container_id, "container.id"), (pod_uid, "k8s.pod.uid")):
-            if isinstance(value, str) and len(value) >= 8:
-                found = self._by_path_fragment(value, how)
-                if found is not None:
-                    return found
-        if isinstance(service_name, str) and service_name in set(self._known_services()):
-            return SpanOrigin(service_name, "service.name")
-        return _UNRESOLVED
+    # --- the connection ----------------------------------------------------
 
-    def _by_pid(self, pid: int) -> SpanOrigin | None:
+    def _sender(self, peer: Peer, now: float) -> _Sender | str:
+        generation = self._pods.generation if self._pods is not None else 0
+        with self._lock:
+            hit = self._senders.get(peer.key())
+        # A cached sender is checked each time: the peer's port may belong to
+        # a new connection of another process once the old one closed, and a
+        # pod's IP to another pod once the pod index changed.
+        if hit is not None and now - hit[0] < self._ttl:
+            when, seen, sender = hit
+            if isinstance(sender, _Sender) and sender.how == "connection":
+                if sender.alive():
+                    return sender
+            elif seen == generation:
+                return sender
+        found = self._find_sender(peer)
+        with self._lock:
+            if len(self._senders) >= self._max_cached:
+                self._senders.clear()
+            self._senders[peer.key()] = (now, generation, found)
+        return found
+
+    def _find_sender(self, peer: Peer) -> _Sender | str:
+        inode = tcp_socket_inode(self._proc, peer)
+        if inode is None and self._own_netns_is_not_the_hosts():
+            # The agent in a network namespace of its own (a pod) but with the
+            # host's pids: a host process reaches it through a Service, so its
+            # socket is in the host's table (pid 1's), its remote end the Service's address.
+            inode = tcp_socket_inode(self._proc, peer, "1/net", exact=False)
+        if inode is not None:
+            owner = socket_owner(self._proc, inode)
+            if owner is None:
+                return NO_PROCESS
+            pid, fd = owner
+            path, cgid = self._cgroup_of(pid)
+            if cgid is None:
+                return NO_CGROUP
+            return _Sender("connection", ((path, cgid),), pid=pid, socket=(fd, f"socket:[{inode}]"))
+        addr = _ip(peer.host)
+        if addr is not None and addr.is_loopback:
+            return SOCKET_NOT_FOUND
+        pod = self._pods.by_ip(str(addr)) if self._pods is not None and addr is not None else None
+        if pod is None:
+            return REMOTE_PEER
+        containers = []
+        for cgid, path in self._cgroups.known().items():
+            ref = parse_kubepods_path(path)
+            if ref is not None and ref.pod_uid == pod.uid and ref.container_id is not None:
+                containers.append((path, cgid))
+        if not containers:
+            return NO_CGROUP
+        # Unless a hint narrows it, the pod's busiest container (the server, not its sidecars).
+        containers.sort(key=lambda c: (-self._cgroups.threads(c[0]), c[0]))
+        return _Sender("pod_ip", tuple(containers), pod_uid=pod.uid)
+
+    def _own_netns_is_not_the_hosts(self) -> bool:
         try:
-            text = (self._proc / str(pid) / "cgroup").read_text()
+            return os.readlink(self._proc / "self" / "ns" / "net") != os.readlink(self._proc / "1" / "ns" / "net")
         except OSError:
-            return None
-        path = cgroup_v2_path(text)
-        if path is None:
-            return None
-        cgid = self._cgroups.id_of(path)
-        if cgid is None:
-            return None
-        return SpanOrigin(self._service_of(cgid), "process.pid", cgid)
+            return False
 
-    def _by_path_fragment(self, value: str, how: str) -> SpanOrigin | None:
-        # The systemd cgroup driver writes pod uids with "_" for "-".
-        fragments = {value, value.replace("-", "_")}
-        matches = [(path, cgid) for cgid, path in self._cgroups.known().items()
-                   if any(f in path for f in fragments)]
+    def _cgroup_of(self, pid: int) -> tuple[str | None, int | None]:
+        try:
+            path = cgroup_v2_path((self._proc / str(pid) / "cgroup").read_text())
+        except OSError:
+            return None, None
+        if path is None:
+            return None, None
+        return path, self._cgroups.id_of(path)
+
+    # --- the hints ---------------------------------------------------------
+
+    def _narrow(self, sender: _Sender, resource: Mapping[str, Any]) -> SpanOrigin:
+        cgroups, how, pid = list(sender.cgroups), sender.how, sender.pid
+        ignored: list[str] = []
+        for attr in PID_HINTS:
+            claimed = _claimed_pid(resource.get(attr))
+            if claimed is None:
+                continue
+            match = self._pid_within(sender, claimed)
+            if match is None:
+                ignored.append(attr)
+            elif match:
+                pid, path, cgid = match
+                cgroups, how = [(path, cgid)], attr
+            break  # the first pid hint present decides; the next is the same claim in other words
+        container = resource.get("container.id")
+        if isinstance(container, str) and len(container) >= 8:
+            within = [(p, c) for p, c in cgroups if container.lower() in p]
+            if within:
+                if len(cgroups) > 1:
+                    how = "container.id"
+                cgroups = within
+            else:
+                ignored.append("container.id")
+        pod_uid = resource.get("k8s.pod.uid")
+        if isinstance(pod_uid, str) and pod_uid:
+            fragments = {pod_uid.lower(), pod_uid.lower().replace("-", "_")}
+            if not all(any(f in p for f in fragments) for p, _ in cgroups):
+                ignored.append("k8s.pod.uid")
+        path, cgid = cgroups[0]
+        service = self._service_of(cgid)
+        claimed_name = resource.get("service.name")
+        if isinstance(claimed_name, str) and claimed_name != service and claimed_name in set(self._known_services()):
+            ignored.append("service.name")
+        return SpanOrigin(service, how, cgid, pid, ignored=tuple(ignored))
+
+    def _pid_within(self, sender: _Sender, claimed: int) -> tuple[int, str, int] | tuple[()] | None:
+        """The sender's process named `claimed` in its own pid namespace:
+        (host pid, cgroup path, cgroup id); () when it stays ambiguous (the
+        same pid in several containers of a pod); None when no process of the
+        sender's identity has that pid (the claim contradicts the connection)."""
+        if sender.pid is not None:
+            own = ns_pids(self._proc, sender.pid)
+            path, cgid = sender.cgroups[0]
+            if own and own[-1] == claimed:
+                return sender.pid, path, cgid
+            # Another process of the sender's pid namespace, in the sender's cgroup or below it.
+            ns = _pid_ns(self._proc, sender.pid)
+            candidates = [(p, cp, cc) for cp, cc in self._cgroups_under(path) for p in self._cgroups.pids(cp)]
+        else:
+            ns = None
+            candidates = [(p, cp, cc) for cp, cc in sender.cgroups for p in self._cgroups.pids(cp)]
+        matches = []
+        for p, cp, cc in candidates:
+            nsp = ns_pids(self._proc, p)
+            if nsp and nsp[-1] == claimed and (ns is None or _pid_ns(self._proc, p) == ns):
+                matches.append((p, cp, cc))
         if not matches:
             return None
-        # The deepest match: a container's cgroup, whose tasks the probe counts,
-        # rather than the pod's (which holds no task of its own).
-        path, cgid = max(matches, key=lambda m: (m[0].count("/"), len(m[0])))
-        return SpanOrigin(self._service_of(cgid), how, cgid)
+        if len({cc for _, _, cc in matches}) > 1:
+            return ()
+        return min(matches)
+
+    def _cgroups_under(self, path: str) -> list[tuple[str, int]]:
+        prefix = path.rstrip("/") + "/"
+        out = [(path, cgid) for cgid, p in self._cgroups.known().items() if p == path or p.startswith(prefix)]
+        return out or [(path, self._cgroups.id_of(path) or 0)]
+
+
+def describe_peer(peer: Peer | None) -> str:
+    if peer is None:
+        return "an unknown peer"
+    return f"[{peer.host}]:{peer.port}" if ":" in peer.host else f"{peer.host}:{peer.port}"
+
+
+def unresolved_hint(reason: str) -> str:
+    """What the operator can do about spans unresolved for `reason`."""
+    return {
+        NO_PEER: "the transport gave no peer address; send spans over TCP",
+        REMOTE_PEER: "the sender is neither a process on this host nor a pod of this node (with pods, the "
+                     "agent needs the pod watcher); point the server at the agent on its own node",
+        SOCKET_NOT_FOUND: "its socket is not in the agent's network namespace; run the agent in the host's "
+                          "network namespace (hostNetwork: true)",
+        NO_PROCESS: "no visible process holds its socket; run the agent in the host's pid namespace "
+                    "(hostPID: true), and give it CAP_SYS_PTRACE if the sender runs as another user "
+                    "(its /proc/PID/fd is unreadable otherwise)",
+        NO_CGROUP: "its cgroup is not under the agent's cgroup2 mount; mount the host's cgroup2 tree",
+    }.get(reason, "see the agent's documentation")
+

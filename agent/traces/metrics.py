@@ -51,6 +51,8 @@ class TraceCounters:
         self.pending = 0
         self.truncated_attributes = 0               # attribute values cut to Limits.max_attribute_length
         self.store_evicted = 0                      # finished requests dropped from the store before their age
+        self.unresolved: dict[str, int] = {}        # reason -> request spans with no service
+        self.claims_ignored: dict[str, int] = {}    # resource attribute -> resources whose claim was ignored
 
     def add_received(self, transport: str, spans: int) -> None:
         with self._lock:
@@ -60,6 +62,14 @@ class TraceCounters:
         with self._lock:
             key = (transport, reason)
             self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def add_unresolved(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.unresolved[reason] = self.unresolved.get(reason, 0) + n
+
+    def add_claim_ignored(self, attribute: str) -> None:
+        with self._lock:
+            self.claims_ignored[attribute] = self.claims_ignored.get(attribute, 0) + 1
 
     def add_request(self, service: str, runq_wait_s: float | None, slo: list[dict], end: float) -> None:
         """One attributed request: its run-queue wait and its judged request
@@ -148,6 +158,7 @@ class TraceCollector(Collector):
             forward_dropped = dict(c.forward_dropped)
             forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
             truncated, store_evicted = c.truncated_attributes, c.store_evicted
+            unresolved, ignored = dict(c.unresolved), dict(c.claims_ignored)
 
         spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
                                     "receivers.", labels=["transport"])
@@ -159,6 +170,18 @@ class TraceCollector(Collector):
         for (transport, reason), n in sorted(rejected.items()):
             refused.add_metric([transport, reason], n)
         yield refused
+        lost = CounterMetricFamily("slatrace_otlp_spans_unresolved", "Request spans whose sender could not be "
+                                   "found, by reason (remote_peer, socket_not_found, no_process, no_cgroup, "
+                                   "no_peer).", labels=["reason"])
+        for reason, n in sorted(unresolved.items()):
+            lost.add_metric([reason], n)
+        yield lost
+        claims = CounterMetricFamily("slatrace_otlp_claims_ignored", "Span resources whose attribute "
+                                     "contradicted the connection they came on, by attribute.",
+                                     labels=["attribute"])
+        for attribute, n in sorted(ignored.items()):
+            claims.add_metric([attribute], n)
+        yield claims
         reqs = CounterMetricFamily("slatrace_requests_attributed", "Request spans given scheduling figures.",
                                    labels=["service"])
         for service, n in sorted(requests.items()):

@@ -33,11 +33,13 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Sp
 from agent.attribution.request_sched import RequestSched, RequestSchedSource
 from agent.attribution.requests import judge, request_document
 from agent.config import Slo
-from agent.traces.identity import SpanOrigin, SpanServices
+from agent.identity.services import HOST, KERNEL, OTHER, UNKNOWN
+from agent.traces.identity import Peer, SpanOrigin, SpanServices, describe_peer, unresolved_hint
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import truncate_attributes
 from agent.traces.request_store import RequestStore
-from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, iter_spans, request_span
+from agent.traces.servers import RequestRules, parse_request
+from agent.traces.spans import RequestSpan, attributes, iter_spans
 
 __all__ = ["MAX_FUTURE_SKEW_S", "Overloaded", "RequestPipeline", "SpanSink"]
 
@@ -53,6 +55,13 @@ _PENDING_OVERHEAD = 600
 
 class Overloaded(Exception):
     """The pipeline cannot take more now; receivers answer a retryable error."""
+
+
+# Never streamed because a span says so: whole-host buckets, whose events would
+# swamp the stream (one span claiming `host` used to cost a fifth of a core).
+NEVER_WATCHED = frozenset({HOST, KERNEL.name, UNKNOWN, OTHER})
+# One warning per unresolved reason at most this often.
+WARN_EVERY_S = 300.0
 
 
 class SpanSink:
@@ -82,6 +91,7 @@ class RequestPipeline:
         counters: TraceCounters,
         sink: SpanSink | None = None,
         *,
+        rules: RequestRules | None = None,
         max_pending: int = 50_000,
         max_pending_bytes: int = 64 * MiB,
         max_attribute_length: int = 8192,
@@ -95,6 +105,7 @@ class RequestPipeline:
         self.store = store
         self.counters = counters
         self._sink = sink
+        self._rules = rules if rules is not None else RequestRules()
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.max_attribute_length = max_attribute_length
@@ -107,7 +118,7 @@ class RequestPipeline:
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, _Pending]] = []  # by span end
         self._seq = itertools.count()
-        self._watched: set[str] = set()
+        self._warned: dict[str, float] = {}  # unresolved reason -> when last warned
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -118,8 +129,9 @@ class RequestPipeline:
 
     # --- receiver side ---------------------------------------------------
 
-    def ingest(self, req: ExportTraceServiceRequest, transport: str) -> int:
-        """Take every span of an export request; returns how many were taken."""
+    def ingest(self, req: ExportTraceServiceRequest, transport: str, peer: Peer | None = None) -> int:
+        """Take every span of an export request sent from `peer`; returns how
+        many were taken."""
         self._admit()
         self.counters.add_truncated(truncate_attributes(req, self.max_attribute_length))
         n = 0
@@ -128,17 +140,20 @@ class RequestPipeline:
         copies: dict[int, tuple[ResourceSpans, ScopeSpans]] = {}
         for rs, ss, span in iter_spans(req):
             n += 1
-            if span.name != REQUEST_SPAN_NAME:
+            rule = self._rules.match(span.name)
+            if rule is None:
                 if self._sink is not None:
                     self._sink.forward(*detached(rs, ss, span, copies))
                 continue
             origin = origins.get(id(rs))
             if origin is None:
-                origin = origins[id(rs)] = self._services.origin(attributes(rs.resource.attributes))
-            parsed = clamped(request_span(span), now)
-            if origin.service is not None and origin.service not in self._watched:
-                self._watched.add(origin.service)
-                self._sched.watch(origin.service)  # record finely from now on
+                origin = origins[id(rs)] = self._services.origin(peer, attributes(rs.resource.attributes))
+                self._note_origin(origin, peer)
+            parsed = clamped(parse_request(rule, span), now)
+            if origin.service is not None and origin.service not in NEVER_WATCHED:
+                self._sched.watch(origin.service)  # record finely while it sends
+            elif origin.reason is not None:
+                self.counters.add_unresolved(origin.reason)
             proto = detached(rs, ss, span, copies) if self._sink is not None else None
             size = _PENDING_OVERHEAD + (proto[2].ByteSize() if proto is not None else 0)
             self._push(_Pending(parsed, origin, now, proto, size))
@@ -166,6 +181,17 @@ class RequestPipeline:
                 self._early.append(out)
                 self.counters.pending_dropped += 1
             self.counters.pending = len(self._heap)
+
+    def _note_origin(self, origin: SpanOrigin, peer: Peer | None) -> None:
+        for attr in origin.ignored:
+            self.counters.add_claim_ignored(attr)
+        if origin.reason is None:
+            return
+        now = self._clock()
+        if now - self._warned.get(origin.reason, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[origin.reason] = now
+            log.warning("request spans from %s are not attributed to any service (%s): %s",
+                        describe_peer(peer), origin.reason, unresolved_hint(origin.reason))
 
     # --- worker side -----------------------------------------------------
 

@@ -18,6 +18,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from agent.traces.identity import Peer, parse_grpc_peer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_protobuf
 from agent.traces.pipeline import Overloaded, RequestPipeline
@@ -35,6 +36,7 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
         self._pipeline = pipeline
         self._counters = counters
         self._limits = limits
+        self.local_port: int | None = None  # the port served, once bound: half of each connection's key
 
     def Export(self, request: bytes, context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
         try:
@@ -47,7 +49,9 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.status == 413 else grpc.StatusCode.INVALID_ARGUMENT
             context.abort(code, e.reason)
         try:
-            self._pipeline.ingest(req, "grpc")
+            addr = parse_grpc_peer(context.peer())
+            peer = Peer(addr[0], addr[1], None, self.local_port) if addr else None
+            self._pipeline.ingest(req, "grpc", peer)
         except Overloaded as e:
             self._counters.add_rejected("grpc", "overloaded")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))  # retryable for OTLP exporters
@@ -81,6 +85,7 @@ class GrpcReceiver:
             raise OSError(f"cannot listen on {host}:{port} ({e})") from None
         if self.port == 0:  # grpcio reports a failed bind as port 0
             raise OSError(f"cannot listen on {host}:{port}: the address is in use or not local")
+        handler.local_port = self.port
 
     def start(self) -> None:
         self._server.start()

@@ -17,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from agent.api.routes import Response
 from agent.api.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
+from agent.traces.identity import Peer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
 from agent.traces.pipeline import Overloaded, RequestPipeline
@@ -70,7 +71,9 @@ class OtlpHttpApp(HttpApp):
         except DecodeError as e:
             return self._refuse(e.status, e.reason, wants_json)
         try:
-            self.pipeline.ingest(decoded, "http")
+            # The sender is whoever holds the other end of this connection.
+            peer = Peer(str(req.peer[0]), int(req.peer[1]), str(req.local[0]), int(req.local[1]))
+            self.pipeline.ingest(decoded, "http", peer)
         except Overloaded as e:
             resp = self._refuse(503, str(e), wants_json)
             return Response(resp.status, resp.body, resp.content_type, headers=(("Retry-After", "1"),))

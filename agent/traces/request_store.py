@@ -1,9 +1,13 @@
 """Finished requests for the API: bounded in number, in bytes and in age.
 
-The insertion-ordered dict is the index by id and the eviction order when the
-store is over its count or byte budget; a heap of end times is the expiry
-order, so one request with an absurd end time cannot hold back the expiry of
-every later one.
+The insertion-ordered dict is the index and the eviction order when the store
+is over its count or byte budget; a heap of end times is the expiry order, so
+one request with an absurd end time cannot hold back the expiry of every later
+one.
+
+Entries are keyed by span (trace id, span id), not by request id: with n > 1
+vLLM ends one span per child request, all carrying the parent's id, and every
+one of those siblings is kept.
 """
 
 from __future__ import annotations
@@ -35,23 +39,27 @@ class RequestStore:
         self._clock = clock
         self._on_evict = on_evict
         self._lock = threading.Lock()
-        self._by_id: OrderedDict[str, tuple[dict, int]] = OrderedDict()  # id -> (doc, bytes)
-        self._by_end: list[tuple[float, int, str]] = []  # (end, generation, id), stale entries skipped
+        Key = tuple[str, str]
+        self._by_id: OrderedDict[Key, tuple[dict, int]] = OrderedDict()  # (trace, span) -> (doc, bytes)
+        self._spans_of: dict[str, list[Key]] = {}        # request id -> its spans' keys
+        self._by_end: list[tuple[float, int, Key]] = []  # (end, generation, key), stale entries skipped
         self._gen = 0
-        self._gens: dict[str, int] = {}
+        self._gens: dict[Key, int] = {}
         self.bytes = 0
         self.evicted = 0
 
     def add(self, doc: dict) -> None:
         size = doc_bytes(doc)
         evicted = 0
+        key = (doc.get("trace_id") or "", doc.get("span_id") or doc["request_id"])
         with self._lock:
-            # A repeated id (a retried export) replaces the older copy.
-            self._drop_locked(doc["request_id"])
+            # A repeated span (a retried export) replaces the older copy.
+            self._drop_locked(key)
             self._gen += 1
-            self._by_id[doc["request_id"]] = (doc, size)
-            self._gens[doc["request_id"]] = self._gen
-            heapq.heappush(self._by_end, (doc["end"], self._gen, doc["request_id"]))
+            self._by_id[key] = (doc, size)
+            self._spans_of.setdefault(doc["request_id"], []).append(key)
+            self._gens[key] = self._gen
+            heapq.heappush(self._by_end, (doc["end"], self._gen, key))
             self.bytes += size
             while self._by_id and (len(self._by_id) > self.max_requests or self.bytes > self.max_bytes):
                 self._drop_locked(next(iter(self._by_id)))
@@ -62,10 +70,15 @@ class RequestStore:
             self._on_evict(evicted)
 
     def get(self, request_id: str) -> dict | None:
+        """The first request with this id (see `get_all` for its siblings)."""
+        found = self.get_all(request_id)
+        return found[0] if found else None
+
+    def get_all(self, request_id: str) -> list[dict]:
+        """Every request with this id, oldest first: more than one when n > 1."""
         with self._lock:
             self._expire_locked()
-            entry = self._by_id.get(request_id)
-            return entry[0] if entry else None
+            return [self._by_id[k][0] for k in self._spans_of.get(request_id, ())]
 
     def query(self, service: str | None = None, since_s: float | None = None,
               breached: bool = False) -> list[dict]:
@@ -82,19 +95,26 @@ class RequestStore:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def _drop_locked(self, request_id: str) -> None:
-        entry = self._by_id.pop(request_id, None)
-        if entry is not None:
-            self.bytes -= entry[1]
-            self._gens.pop(request_id, None)
+    def _drop_locked(self, key: tuple[str, str]) -> None:
+        entry = self._by_id.pop(key, None)
+        if entry is None:
+            return
+        self.bytes -= entry[1]
+        self._gens.pop(key, None)
+        request_id = entry[0]["request_id"]
+        keys = self._spans_of.get(request_id, [])
+        if key in keys:
+            keys.remove(key)
+        if not keys:
+            self._spans_of.pop(request_id, None)
 
     def _expire_locked(self) -> None:
         cutoff = self._clock() - self.retention_s
         heap = self._by_end
         while heap and heap[0][0] < cutoff:
-            _, gen, request_id = heapq.heappop(heap)
-            if self._gens.get(request_id) == gen:
-                self._drop_locked(request_id)
+            _, gen, key = heapq.heappop(heap)
+            if self._gens.get(key) == gen:
+                self._drop_locked(key)
         # Entries of replaced or evicted documents are skipped above; rebuild
         # when they outnumber the live ones, so the heap stays bounded too.
         if len(heap) > 2 * len(self._by_id) + 1024:

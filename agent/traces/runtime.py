@@ -8,6 +8,7 @@ the cgroup map and the scheduler source) and closes it on shutdown.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 
 from prometheus_client.registry import CollectorRegistry
@@ -16,16 +17,22 @@ from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
 from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
+from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
 from agent.traces.identity import SpanServices
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits
 from agent.traces.pipeline import RequestPipeline
+from agent.traces.pipeline import NEVER_WATCHED
 from agent.traces.request_store import RequestStore
+from agent.traces.servers import RequestRules, ServerProcesses
 
 __all__ = ["Traces", "parse_listen_or_off"]
 
 log = logging.getLogger(__name__)
+
+# How often /proc is searched for inference servers to stream from the start.
+SERVER_SCAN_S = 2.0
 
 
 def parse_listen_or_off(value: str | None, flag: str) -> tuple[str, int] | None:
@@ -50,6 +57,7 @@ class Traces:
         otlp_endpoint: str | None = None,
         otlp_protocol: str | None = None,
         limits: Limits = Limits(),
+        pods: PodIndex | None = None,
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention, on_evict=self.counters.add_store_evicted)
@@ -58,9 +66,14 @@ class Traces:
             from agent.traces.forward import Forwarder, make_exporter  # noqa: PLC0415
 
             self.forwarder = Forwarder(make_exporter(otlp_endpoint, otlp_protocol), self.counters)
+        spans = config.request_spans
         self.pipeline = RequestPipeline(
-            sched, SpanServices(cgroups, service_of, known_services), config.slos, self.store, self.counters,
-            self.forwarder, max_wait_s=max(10.0, 5 * config.interval))
+            sched, SpanServices(cgroups, service_of, known_services, pods=pods), config.slos, self.store, self.counters,
+            self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules))
+        self._sched = sched
+        self.servers = ServerProcesses(cgroups, service_of, spans.servers, spans.watch)
+        self._stop = threading.Event()
+        self._scan_thread: threading.Thread | None = None
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
         self._http_addr = parse_listen_or_off(http_listen, "--otlp-http-listen")
         self._limits = limits
@@ -79,6 +92,9 @@ class Traces:
         """Bind and serve; OSError when an address cannot be bound."""
         if self.forwarder is not None:
             self.forwarder.start()
+        self.pin_servers()
+        self._scan_thread = threading.Thread(target=self._scan_loop, name="request-servers", daemon=True)
+        self._scan_thread.start()
         self.pipeline.start()
         if self._grpc_addr is not None:
             from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415  (loads grpc: only when asked)
@@ -100,7 +116,23 @@ class Traces:
                 self._registry.register(ServerCollector(self.http))
             log.info("OTLP/HTTP trace receiver on http://%s:%d/v1/traces", self._http_addr[0], self.http.port)
 
+    def pin_servers(self) -> None:
+        """Stream the services running a known inference server (or named in
+        the config) from now on, before their first span arrives."""
+        self._sched.pin(self.servers.services() - NEVER_WATCHED)
+
+    def _scan_loop(self) -> None:
+        while not self._stop.wait(SERVER_SCAN_S):
+            try:
+                self.pin_servers()
+            except Exception:  # noqa: BLE001  (a /proc oddity must not stop the scans)
+                log.exception("looking for inference servers failed; retrying")
+
     def close(self) -> None:
+        self._stop.set()
+        if self._scan_thread is not None:
+            self._scan_thread.join(timeout=2.0)
+            self._scan_thread = None
         for part in (self.grpc, self.http):
             if part is not None:
                 part.stop()

@@ -2,12 +2,16 @@
 
 vLLM builds one SERVER span per finished request, named `llm_request`, starting
 at the request's arrival (wall clock) and ending when the output is done. Its
-attribute names live in vllm/tracing.py (SpanAttributes). The V1 engine sets
-the e2e/ttft/queue latencies, prefill/decode/inference times, token usage and a
-few sampling parameters; the V0 engine set scheduler/model-forward/model-execute
-times, num_sequences and best_of instead of prefill/decode. Either set, or any
-subset of it, parses: a missing attribute is None, never an error, because the
-span is still worth its timing.
+attribute names live in vllm/tracing.py (SpanAttributes; vllm/tracing/ from
+0.16). The V0 engine set the model name, temperature/top_p/max_tokens/n,
+num_sequences, token usage, queue/ttft/e2e and, with detailed traces, the
+scheduler/model-forward/model-execute times. The V1 engine sets the request's
+external id, e2e/ttft/queue, prefill/decode/inference times and token usage,
+and sampling parameters only when they are truthy (temperature 0 is absent);
+it leaves out the model name and the finish reasons, and with n > 1 each child
+request ends in its own span with the parent's id. Either set, or any subset
+of it, parses: a missing attribute is None, never an error, because the span
+is still worth its timing.
 """
 
 from __future__ import annotations
@@ -43,11 +47,10 @@ class VllmAttr:
     TOP_P = "gen_ai.request.top_p"
     TEMPERATURE = "gen_ai.request.temperature"
     N = "gen_ai.request.n"
-    BEST_OF = "gen_ai.request.best_of"                       # V0
     PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
     COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
     NUM_SEQUENCES = "gen_ai.usage.num_sequences"             # V0
-    FINISH_REASONS = "gen_ai.response.finish_reasons"        # semantic conventions; not every vLLM sets it
+    FINISH_REASONS = "gen_ai.response.finish_reasons"        # semantic conventions; vLLM does not set it
     E2E = "gen_ai.latency.e2e"
     TTFT = "gen_ai.latency.time_to_first_token"
     QUEUE = "gen_ai.latency.time_in_queue"

@@ -62,7 +62,7 @@ def test_spans_are_forwarded_with_ids_and_slatrace_attributes():
     assert not any(kv.key.startswith("slatrace.") for kv in http.attributes)  # forwarded untouched
     attrs = attributes(req.attributes)
     assert attrs["gen_ai.request.id"] == "cmpl-forward-1"
-    # process.pid comes first: this test process runs in the root cgroup
+    # Found through the connection, the pid it claims being its own; this test process runs in the root cgroup
     assert attrs["slatrace.service"] == doc["service"] == "host" and doc["service_from"] == "process.pid"
     assert attrs["slatrace.verdict"] == doc["verdict"]
     assert attrs["slatrace.runq_wait_seconds"] == pytest.approx(doc["sched"]["runq_wait_seconds"])

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +64,12 @@ class Agent:
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # Read the log as it comes: a pipe nobody drains fills (64 KiB), and the
+        # agent's next log line then blocks whichever thread writes it.
+        self._log: list[bytes] = []
+        self._reader = threading.Thread(target=lambda: self._log.extend(iter(self.proc.stdout.readline, b"")),
+                                        daemon=True)
+        self._reader.start()
         try:
             self.wait_ready()
         except BaseException:  # not ready: __exit__ will not run, so stop it here
@@ -102,9 +109,10 @@ class Agent:
             raise
 
     def output(self) -> str:
-        if self.proc and self.proc.stdout and self.proc.poll() is not None:
-            return self.proc.stdout.read().decode(errors="replace")
-        return ""
+        """The agent's log so far (all of it once the agent has exited)."""
+        if self.proc and self.proc.poll() is not None:
+            self._reader.join(timeout=5)
+        return b"".join(self._log).decode(errors="replace") if self.proc else ""
 
     def __exit__(self, *exc) -> None:
         self.stop()

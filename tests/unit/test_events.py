@@ -74,3 +74,32 @@ def test_retention_and_cap_drop_the_oldest():
     capped = EventLog(retention_ns=10**12, max_events=1_000)
     capped.add(events)
     assert len(capped) <= 1_000 and capped.dropped == len(events) - len(capped)
+
+
+def test_waits_by_thread_equal_brute_force_and_sum_to_the_runq_wait():
+    rng = random.Random(5)
+    events = [SchedEvent(e.cgid, e.kind, e.start_ns, e.end_ns, e.other_cgid, rng.choice([101, 102, 103, 104]))
+              for e in _events(20_000, seed=3)]
+    log = EventLog(retention_ns=10**12)
+    log.add(events)
+    for _ in range(30):
+        lo = rng.randint(events[0].start_ns, events[-1].end_ns)
+        hi = lo + rng.randint(1_000_000, 500_000_000)
+        cgids = {10, 12}
+        want: dict[int, int] = {}
+        for e in events:
+            if e.cgid in cgids and e.kind in (EV_RUNQ, EV_PREEMPTED):
+                ov = min(e.end_ns, hi) - max(e.start_ns, lo)
+                if ov > 0:
+                    want[e.tid] = want.get(e.tid, 0) + ov
+        got = log.waits_by_thread(cgids, lo, hi)
+        assert got == want
+        assert sum(got.values()) == log.between(cgids, lo, hi).runq_wait_ns
+
+
+def test_thread_columns_of_dead_threads_are_dropped_with_their_events():
+    log = EventLog(retention_ns=1_000_000)
+    log.add([SchedEvent(10, EV_RUNQ, 0, 10, 0, tid) for tid in range(1, 500)])
+    log.add([SchedEvent(10, EV_RUNQ, 5_000_000, 5_000_010, 0, 7)])  # the others age out
+    assert log.waits_by_thread({10}, 0, 10**9) == {7: 10}
+    assert len(log._cgroups[10]) == 2   # one (kind, other) column and one thread's

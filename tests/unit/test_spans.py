@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from agent.attribution.request_sched import RequestSched
 from agent.attribution.requests import causes, fmt_duration, judge, request_document, verdict
 from agent.config import Slo
-from agent.traces.identity import SpanServices, cgroup_v2_path
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body, decode_json, decode_protobuf, gunzip
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import RequestSpan, attributes, iter_spans, request_span
@@ -58,7 +57,46 @@ def test_v1_fixture_parses_every_figure():
     assert (s.prompt_tokens, s.completion_tokens, s.max_tokens, s.n) == (812, 256, 256, 1)
     # The span's own duration and vLLM's e2e agree to within the time it took to end it.
     assert s.end - s.start == pytest.approx(s.e2e, abs=1e-3)
-    assert resource["process.pid"] == 48213 and resource["service.name"] == "vllm"
+    # Up to 0.15 vLLM's resource is the SDK's default: nothing names the process.
+    assert resource["service.name"] == "unknown_service:python"
+    assert not {"process.pid", "host.name", "vllm.process_id"} & set(resource)
+
+
+def test_v1_fixture_of_0_16_carries_vllms_own_resource_and_omits_falsy_parameters():
+    resource, s = only_span(load("vllm_llm_request_v1_0.16.json"))
+    # The pid as a string, in vLLM's own pid namespace (here the container's init).
+    assert resource["vllm.process_id"] == "1" and resource["vllm.instrumenting_module_name"] == "vllm.llm_engine"
+    assert "process.pid" not in resource
+    attrs = attributes(decode_json(load("vllm_llm_request_v1_0.16.json")).resource_spans[0]
+                       .scope_spans[0].spans[0].attributes)
+    # temperature 0 is falsy, so V1 leaves it out; no model name, no finish reasons.
+    assert "gen_ai.request.temperature" not in attrs and "gen_ai.response.model" not in attrs
+    assert s.model is None and s.finish_reasons == () and s.parent_span_id is None
+    assert s.request_id == "chatcmpl-0f3b9a7e5c2d4b1a8e6f0c9d7b5a3e21"
+    assert (s.prompt_tokens, s.completion_tokens, s.max_tokens, s.n) == (37, 64, 64, 1)
+    assert s.queue + s.prefill + s.decode == pytest.approx(s.e2e, abs=1e-3)
+
+
+def test_n_greater_than_one_keeps_every_sibling():
+    req = decode_json(load("vllm_llm_request_v1_n2.json"))
+    spans = [request_span(span) for _, _, span in iter_spans(req)]
+    assert {s.request_id for s in spans} == {"cmpl-5e1f0c7a9b3d4e2f8a6c1b0d9e7f3a52"} and len(spans) == 2
+    store = RequestStore(900, clock=lambda: 1764680010.0)
+    for s in spans + spans[:1]:   # the first one twice: a retried export replaces, it does not add
+        store.add(request_document(s, "vllm", "connection", None, [], True))
+    docs = store.get_all("cmpl-5e1f0c7a9b3d4e2f8a6c1b0d9e7f3a52")
+    assert sorted(d["span_id"] for d in docs) == ["3c4d5e6f708192a3", "4d5e6f708192a3b4"]
+    assert sorted(d["tokens"]["completion"] for d in docs) == [180, 256]
+    assert len(store) == 2 and len(store.query()) == 2
+    from agent.traces.api import request_routes  # noqa: PLC0415
+    one = json.loads(request_routes(store)["/api/v1/requests/"]({"_tail": [spans[0].request_id]}).body)
+    assert len(one["siblings"]) == 1 and {one["span_id"], one["siblings"][0]["span_id"]} == \
+        {"3c4d5e6f708192a3", "4d5e6f708192a3b4"}
+    # Eviction by count drops the oldest span and its index entry.
+    small = RequestStore(900, max_requests=1, clock=lambda: 1764680010.0)
+    for s in spans:
+        small.add(request_document(s, "vllm", "connection", None, [], True))
+    assert [d["span_id"] for d in small.get_all(spans[0].request_id)] == [spans[1].span_id]
 
 
 def test_v0_fixture_parses_its_own_attribute_set():
@@ -192,46 +230,6 @@ def test_property_json_bodies_decode_or_refuse_cleanly(doc):
         assert s.end >= s.start and not math.isnan(s.e2e)
 
 
-# --- span -> service ------------------------------------------------------------
-
-class FakeCgroups:
-    def __init__(self, paths: dict[int, str]) -> None:
-        self.paths = paths
-
-    def id_of(self, path: str) -> int | None:
-        return next((i for i, p in self.paths.items() if p == path), None)
-
-    def known(self) -> dict[int, str]:
-        return dict(self.paths)
-
-
-def test_cgroup_v2_path_from_proc_pid_cgroup():
-    assert cgroup_v2_path("12:cpu,cpuacct:/x\n0::/kubepods.slice/pod-a/cri-containerd-abc.scope\n") == \
-        "/kubepods.slice/pod-a/cri-containerd-abc.scope"
-    assert cgroup_v2_path("0::/\n") == "/"
-    assert cgroup_v2_path("1:name=systemd:/\n") is None
-
-
-def test_span_service_rules_in_spec_order(tmp_path):
-    (tmp_path / "4242").mkdir()
-    (tmp_path / "4242" / "cgroup").write_text("0::/vllm/engine\n")
-    pod = "7d4c8a8e-1b2c-4d5e-8f90-0a1b2c3d4e5f"
-    cgroups = FakeCgroups({10: "/vllm/engine",
-                           20: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice",
-                           21: f"/kubepods.slice/kubepods-pod{pod.replace('-', '_')}.slice/cri-containerd-abcdef0123.scope"})
-    names = {10: "vllm", 20: "k8s-pod", 21: "ns/inference"}
-    services = SpanServices(cgroups, names.__getitem__, lambda: {"vllm", "batch"}, proc_root=tmp_path)
-    assert services.origin({"process.pid": 4242}).service == "vllm"
-    assert services.origin({"process.pid": 4242}).how == "process.pid"
-    # A pid that is not ours (another pid namespace) falls through to the next rule.
-    o = services.origin({"process.pid": 999999, "k8s.pod.uid": pod})
-    assert (o.service, o.how, o.cgroup_id) == ("ns/inference", "k8s.pod.uid", 21)
-    assert services.origin({"container.id": "abcdef0123"}).service == "ns/inference"
-    assert services.origin({"service.name": "batch"}).how == "service.name"
-    o = services.origin({"service.name": "nobody-knows"})
-    assert o.service is None and o.how == "unresolved"
-
-
 # --- verdicts and SLOs ------------------------------------------------------------
 
 def span(e2e: float = 1.8, ttft: float | None = 0.4) -> RequestSpan:
@@ -286,7 +284,7 @@ def test_request_document_has_the_spec_shape():
             "verdict"} <= set(doc)
     assert doc["sched"] == {"runq_wait_seconds": 0.21, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.19}],
-                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3}
+                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": []}
     assert doc["culprits"] == [{"service": "batch", "wait_seconds": 0.19}]
     json.dumps(doc)
 
