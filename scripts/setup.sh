@@ -245,6 +245,9 @@ setup_deps() {
 kubernetes.client.ApiClient().sanitize_for_serialization(kubernetes.client.V1Pod(metadata=kubernetes.client.V1ObjectMeta(name='p')))" \
             || die "the kubernetes client no longer imports without its sources and asyncio part"
         "$venv/bin/pip" uninstall -q -y pip setuptools wheel >/dev/null
+        # The packages' own test suites and type stubs (numpy's alone are ~20 MB).
+        find "$venv"/lib/python3*/site-packages -type d -name tests -prune -exec rm -rf {} +
+        find "$venv"/lib/python3*/site-packages -name '*.pyi' -delete
     fi
     check_bcc
 }
