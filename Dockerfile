@@ -4,7 +4,13 @@
 # image mode (SLATRACE_SETUP_IMAGE=1): Debian's python3-bpfcc, a merged
 # kernel-headers tree for nodes without headers, and the venv. Run it with the
 # DaemonSet in deploy/ (read-only node mounts, CAP_BPF + CAP_PERFMON).
-FROM debian:bookworm-slim
+#
+# Layers go from the least to the most often changed: Debian packages and the
+# headers tree (scripts/setup.sh), the Python dependencies (pyproject.toml),
+# then the code, so a change to the code alone reruns only the last two steps.
+# tests/container builds this file and runs the image under deploy/daemonset.yaml.
+ARG BASE_IMAGE=debian:bookworm-slim
+FROM ${BASE_IMAGE}
 
 ARG VERSION=0.1.0
 LABEL org.opencontainers.image.title="slatrace" \
@@ -20,12 +26,22 @@ ENV DEBIAN_FRONTEND=noninteractive \
     SLATRACE_IMAGE_HEADERS=/opt/slatrace/kernel-headers
 
 WORKDIR /opt/slatrace
-COPY . /opt/slatrace
 
-# One RUN so the apt lists and pip cache never land in a layer.
-RUN SLATRACE_SETUP_IMAGE=1 scripts/setup.sh \
-    && install -m 0755 scripts/container-entrypoint.sh /usr/local/bin/slatrace \
-    && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb /root/.cache
+# Debian packages and the kernel-headers tree; the step removes the compiler
+# the headers package pulls in, and apt's lists and caches, in the same layer.
+COPY scripts/setup.sh scripts/setup.sh
+RUN SLATRACE_SETUP_IMAGE=1 scripts/setup.sh --host
+
+# The venv, from pyproject.toml alone: the pinned dependencies, and slatrace
+# installed editable (its packages are found in /opt/slatrace at run time).
+COPY pyproject.toml pyproject.toml
+RUN SLATRACE_SETUP_IMAGE=1 scripts/setup.sh --deps \
+    && rm -rf /root/.cache
+
+# The code (.dockerignore keeps the rest of the checkout out): nothing to
+# install but the entrypoint.
+COPY . /opt/slatrace
+RUN install -m 0755 scripts/container-entrypoint.sh /usr/local/bin/slatrace
 
 # HTTP (metrics, API, probes), OTLP/gRPC, OTLP/HTTP.
 EXPOSE 9477 4317 4318

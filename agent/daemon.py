@@ -54,6 +54,17 @@ EVENT_DRAIN_S = 0.1
 FIRST_INTERVAL_S = 0.1
 
 
+def seccomp_hint(status_text: str | None = None) -> str:
+    """Why holding CAP_BPF may not be enough: a seccomp filter answers bpf() before the kernel's
+    capability check (the containers-common default of CRI-O and podman wants CAP_SYS_ADMIN)."""
+    if status_text is None:
+        status_text = Path("/proc/self/status").read_text()
+    if not any(line.split() == ["Seccomp:", "2"] for line in status_text.splitlines()):
+        return ""
+    return (" under a seccomp filter, which may refuse bpf() whatever the capabilities (CRI-O's and "
+            "podman's default profile does): use the Localhost profile deploy/seccomp/slatrace.json")
+
+
 class StartupError(Exception):
     """One sentence for the operator: what is missing and how to fix it."""
 
@@ -165,8 +176,8 @@ class Daemon:
         try:
             self._probe = Probe.load(features)
         except Exception as e:  # BCC raises bare Exception on compile/attach failure
-            raise StartupError(f"cannot load the BPF programs ({e}); run 'slatrace check' to see "
-                               "which prerequisite is missing") from None
+            raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
+                               "to see which prerequisite is missing") from None
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
         self._release_compiler_memory()
         self._bpf_stats.start()

@@ -6,12 +6,16 @@
 #   scripts/setup.sh           everything (host packages + venv)
 #   scripts/setup.sh --host    packages, headers fallback and tracefs only
 #   scripts/setup.sh --venv    the venv only
+#   scripts/setup.sh --deps    the venv from pyproject.toml alone: the pinned
+#                              dependencies and, in image mode, slatrace installed
+#                              editable, so the code can come in a later layer
 #   scripts/setup.sh --headers-tree DIR
 #                              Debian's kernel headers merged into one DIR, the
 #                              form BCC_KERNEL_SOURCE takes
 #   SLATRACE_SETUP_TEST=1      also the packages the test suite and benchmarks use
 #   SLATRACE_SETUP_IMAGE=1     building the container image (Dockerfile): mounts
-#                              nothing, ships the headers tree, no test extras
+#                              nothing, ships the headers tree but not the compiler
+#                              the headers package pulls in, no test extras
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,6 +47,19 @@ apt_install() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
+# Runs "$@" with package maintainer scripts forbidden to start services (the
+# policy-rc.d convention), unless the host already has such a policy.
+without_service_start() {
+    local policy=/usr/sbin/policy-rc.d
+    if [ -e "$policy" ]; then "$@"; return; fi
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod 0755 "$policy"
+    local rc=0
+    "$@" || rc=$?
+    rm -f "$policy"
+    return $rc
+}
+
 # Sets hdr and common to the newest Debian linux-headers-*-amd64 and -common
 # directories, installing linux-headers-amd64 first if needed.
 debian_headers() {
@@ -63,6 +80,18 @@ headers_tree() {
     mkdir -p "$dest.tmp"
     cp -a "$common/." "$dest.tmp/"
     cp -a "$hdr/." "$dest.tmp/"
+    # BCC includes the running architecture's headers only, and nothing the
+    # BPF programs include reaches the device-driver and firmware headers.
+    local arch
+    case "$(uname -m)" in
+        x86_64|i?86) arch=x86 ;;
+        aarch64) arch=arm64 ;;
+        *) arch=$(uname -m) ;;
+    esac
+    find "$dest.tmp/arch" -mindepth 1 -maxdepth 1 ! -name "$arch" -exec rm -rf {} +
+    (cd "$dest.tmp/include" && rm -rf drm sound media dt-bindings scsi target ufs video xen soc rdma \
+        pcmcia kunit math-emu ras misc memory)
+    rm -f "$dest.tmp/Module.symvers"
     basename "$hdr" > "$dest.tmp/.slatrace-headers"
     rm -rf "$dest"
     mv "$dest.tmp" "$dest"
@@ -71,11 +100,22 @@ headers_tree() {
 
 setup_host() {
     # Debian's BCC (the PyPI package called "bcc" is an unrelated library).
-    apt_install python3-bpfcc python3-venv python3-pip ca-certificates
+    if [ "$image" = 1 ]; then
+        # The venv brings its own pip.
+        apt_install python3-bpfcc python3-venv ca-certificates
+    else
+        apt_install python3-bpfcc python3-venv python3-pip ca-certificates
+    fi
     if [ "${SLATRACE_SETUP_TEST:-0}" = 1 ]; then
         # gcc + libc6-dev: the scale tests and bench build a tiny C worker at run time
         apt_install bpfcc-tools stress-ng rt-tests linux-perf bpftool prometheus util-linux libcap2-bin \
             gcc libc6-dev
+        # The container tier (tests/container): Docker builds the image, its
+        # containerd runs it, debootstrap makes the base image when no registry
+        # is reachable, and containers-common is CRI-O's and podman's seccomp
+        # profile. No service may start from a package's postinst: the tests run
+        # a private dockerd of their own.
+        without_service_start apt_install docker.io debootstrap golang-github-containers-common
     fi
 
     if [ "$image" = 1 ]; then
@@ -83,6 +123,17 @@ setup_host() {
         # the node's /lib/modules and tracefs are mounted by the DaemonSet (nothing
         # can be mounted during a build). Ship the fallback headers tree only.
         headers_tree "$image_headers"
+        # linux-headers-amd64 pulls in gcc, cpp and binutils for building modules;
+        # the tree is a copy, so the packages (and the compiler) go again.
+        log "removing the kernel headers packages and their toolchain"
+        DEBIAN_FRONTEND=noninteractive apt-get purge -y -qq 'linux-headers-*' 'linux-kbuild-*' >/dev/null
+        # (binutils stays otherwise: python3.11 suggests it.)
+        DEBIAN_FRONTEND=noninteractive apt-get autoremove --purge -y -qq \
+            -o APT::AutoRemove::SuggestsImportant=false >/dev/null
+        apt-get clean
+        rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
+            /usr/share/doc /usr/share/man /usr/share/info
+        find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
         return 0
     fi
 
@@ -114,13 +165,97 @@ setup_host() {
     fi
 }
 
-setup_venv() {
+make_venv() {
     # The venv must see Debian's bcc module in /usr/lib/python3/dist-packages,
     # so it is built from the system python with system site packages.
     if [ ! -x "$venv/bin/python" ]; then
         log "creating $venv"
         /usr/bin/python3 -m venv --system-site-packages "$venv"
     fi
+}
+
+check_bcc() {
+    "$venv/bin/python" -c "import bcc" 2>/dev/null \
+        || die "the venv cannot import bcc: is python3-bpfcc installed for /usr/bin/python3?"
+}
+
+# The pinned requirements of pyproject.toml (build system, dependencies and,
+# outside the image, the test extras), one per line.
+requirements() {
+    /usr/bin/python3 - "$here/pyproject.toml" "$image" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    project = tomllib.load(f)
+reqs = project["build-system"]["requires"] + project["project"]["dependencies"]
+if sys.argv[2] != "1":
+    reqs += project["project"].get("optional-dependencies", {}).get("test", [])
+print("\n".join(reqs))
+PY
+}
+
+# The directory of every package pyproject.toml lists, relative to $here, with
+# __init__.py for the Python packages (those mapped with package-dir hold data:
+# bpf/ is the namespace package agent.bpf).
+package_files() {
+    /usr/bin/python3 - "$here/pyproject.toml" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    st = tomllib.load(f)["tool"]["setuptools"]
+mapped = st.get("package-dir", {})
+for pkg in st["packages"]:
+    print(mapped[pkg] + "/" if pkg in mapped else pkg.replace(".", "/") + "/__init__.py")
+PY
+}
+
+setup_deps() {
+    make_venv
+    log "installing slatrace's dependencies into $venv"
+    local reqs
+    reqs=$(mktemp)
+    requirements > "$reqs"
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r "$reqs"
+    rm -f "$reqs"
+    if [ "$image" = 1 ]; then
+        # slatrace itself, editable: the venv maps its packages to $here, where
+        # the code arrives in a later layer. The packages are created empty for
+        # the install (and removed again when this run made them).
+        local made=() f top
+        for f in $(package_files) README.md; do
+            top="$here/${f%%/*}"
+            [ -e "$top" ] || made+=("$top")
+            if [ "${f%/}" != "$f" ]; then mkdir -p "$here/$f"
+            else mkdir -p "$(dirname "$here/$f")"; [ -e "$here/$f" ] || : > "$here/$f"; fi
+        done
+        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir --no-deps \
+            --no-build-isolation -e "$here"
+        rm -rf "${made[@]}"
+        # What the running agent never imports, ~110 MB: the kubernetes client's
+        # asyncio twin (the agent uses the threaded client) with aiohttp and
+        # the packages only aiohttp needs, then the install tooling itself.
+        local k8s
+        k8s=$(echo "$venv"/lib/python3*/site-packages/kubernetes)
+        rm -rf "$k8s/aio"
+        "$venv/bin/pip" uninstall -q -y aiohttp aiohttp-retry aiohappyeyeballs aiosignal frozenlist \
+            multidict propcache yarl attrs >/dev/null
+        # The client's 34 MB of generated sources, kept as bytecode only (next
+        # to where the sources were, so they still import; the agent imports the
+        # whole client at start-up, so bytecode it must have).
+        "$venv/bin/python" -m compileall -q -b -j 0 "$k8s" >/dev/null
+        find "$k8s" -name '*.py' -delete
+        find "$k8s" -name __pycache__ -type d -prune -exec rm -rf {} +
+        "$venv/bin/python" -c "import kubernetes.client, kubernetes.watch, kubernetes.config
+kubernetes.client.ApiClient().sanitize_for_serialization(kubernetes.client.V1Pod(metadata=kubernetes.client.V1ObjectMeta(name='p')))" \
+            || die "the kubernetes client no longer imports without its sources and asyncio part"
+        "$venv/bin/pip" uninstall -q -y pip setuptools wheel >/dev/null
+        # The packages' own test suites and type stubs (numpy's alone are ~20 MB).
+        find "$venv"/lib/python3*/site-packages -type d -name tests -prune -exec rm -rf {} +
+        find "$venv"/lib/python3*/site-packages -name '*.pyi' -delete
+    fi
+    check_bcc
+}
+
+setup_venv() {
+    make_venv
     local stamp="$venv/.slatrace-installed"
     # The image runs the agent only: no test extras there.
     local spec="$here[test]"
@@ -130,14 +265,14 @@ setup_venv() {
         "$venv/bin/pip" install -q --disable-pip-version-check -e "$spec"
         touch "$stamp"
     fi
-    "$venv/bin/python" -c "import bcc" 2>/dev/null \
-        || die "the venv cannot import bcc: is python3-bpfcc installed for /usr/bin/python3?"
+    check_bcc
 }
 
 case "$mode" in
     all) setup_host; setup_venv ;;
     --host) setup_host ;;
     --venv) setup_venv ;;
+    --deps) setup_deps ;;
     --headers-tree) headers_tree "${2:-}" ;;
-    *) die "unknown argument $mode (use --host, --venv or --headers-tree DIR)" ;;
+    *) die "unknown argument $mode (use --host, --venv, --deps or --headers-tree DIR)" ;;
 esac

@@ -5,6 +5,7 @@ dashboards ConfigMap against dashboards/*.json, and the kustomization."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import re
@@ -308,7 +309,9 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 def test_dockerfile_uses_the_project_setup_and_runs_the_agent():
     ins = dockerfile_instructions()
-    assert ins[0] == ("FROM", "debian:bookworm-slim")
+    # The base is an argument (tests/container builds on a locally made one).
+    assert ins[0] == ("ARG", "BASE_IMAGE=debian:bookworm-slim")
+    assert ins[1] == ("FROM", "${BASE_IMAGE}")
     runs = " ".join(rest for word, rest in ins if word == "RUN")
     assert "SLATRACE_SETUP_IMAGE=1 scripts/setup.sh" in runs
     entry = json.loads(next(rest for word, rest in ins if word == "ENTRYPOINT"))
@@ -325,6 +328,76 @@ def test_dockerfile_uses_the_project_setup_and_runs_the_agent():
     assert "!scripts/" in ignore and "!agent/" in ignore and "!bpf/" in ignore
 
 
+def test_dockerfile_copies_the_code_after_the_dependencies():
+    # A change to the code must not rerun apt or pip's dependency install.
+    ins = dockerfile_instructions()
+    copies = [rest for word, rest in ins if word == "COPY"]
+    assert copies[-1].split()[0] == "."
+    assert [c.split()[0] for c in copies[:-1]] == ["scripts/setup.sh", "pyproject.toml"]
+    last_copy = max(i for i, (word, _) in enumerate(ins) if word == "COPY")
+    after = " ".join(rest for word, rest in ins[last_copy:] if word == "RUN")
+    assert "setup.sh" not in after and "pip" not in after and "apt" not in after
+
+
+def test_the_license_the_image_declares_is_shipped():
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    labels = " ".join(rest for word, rest in dockerfile_instructions() if word == "LABEL")
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in labels
+    assert "!LICENSE" in (REPO / ".dockerignore").read_text().split()
+
+
 def test_dockerfile_exposes_what_the_daemonset_uses(container: dict[str, Any]):
     exposed = {int(p) for word, rest in dockerfile_instructions() if word == "EXPOSE" for p in shlex.split(rest)}
     assert exposed == {p["containerPort"] for p in container["ports"]}
+
+
+# --- the Localhost seccomp profile -----------------------------------------------
+
+SECCOMP = DEPLOY / "seccomp" / "slatrace.json"
+UNISTD = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
+
+
+def _gen_seccomp():
+    spec = importlib.util.spec_from_file_location("gen_seccomp", REPO / "scripts" / "gen-seccomp-profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def seccomp_rules() -> tuple[dict, set[str], list[dict]]:
+    doc = json.loads(SECCOMP.read_text())
+    allowed = {n for rule in doc["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW" and not rule.get("args")
+               for n in rule["names"]}
+    return doc, allowed, doc["syscalls"]
+
+
+def test_seccomp_profile_refuses_by_default_and_allows_the_bpf_calls():
+    doc, allowed, rules = seccomp_rules()
+    assert doc["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert {"bpf", "perf_event_open"} <= allowed
+    # What the agent's Python, BCC and the entrypoint shell need all the time.
+    assert {"read", "write", "openat", "mmap", "futex", "epoll_wait", "execve", "socket", "bind", "accept4",
+            "ioctl", "close", "exit_group", "rt_sigaction"} <= allowed
+    denied = {n for group in _gen_seccomp().DENIED.values() for n in group}
+    assert allowed & denied == set()
+    assert {"mount", "unshare", "setns", "ptrace", "init_module", "kexec_load", "keyctl", "userfaultfd",
+            "io_uring_setup"} <= denied
+
+
+def test_seccomp_profile_keeps_clone_from_making_namespaces():
+    _, allowed, rules = seccomp_rules()
+    assert "clone" not in allowed and "clone3" not in allowed
+    (clone,) = [r for r in rules if r["names"] == ["clone"]]
+    (arg,) = clone["args"]
+    assert arg["op"] == "SCMP_CMP_MASKED_EQ" and arg["value"] & 0x10000000 and arg["valueTwo"] == 0  # CLONE_NEWUSER
+    (clone3,) = [r for r in rules if r["names"] == ["clone3"]]
+    assert clone3["action"] == "SCMP_ACT_ERRNO" and clone3["errnoRet"] == errno.ENOSYS
+
+
+def test_seccomp_profile_is_what_the_generator_makes_from_this_system_call_table():
+    if not UNISTD.exists():
+        pytest.skip(f"{UNISTD} is missing (linux-libc-dev)")
+    gen = _gen_seccomp()
+    assert json.loads(SECCOMP.read_text()) == gen.profile(gen.syscall_names(UNISTD)), (
+        "regenerate with scripts/gen-seccomp-profile.py")
