@@ -22,14 +22,13 @@ from agent.cli.requests import print_explain
 from agent.config import Slo
 from agent.traces.api import request_routes
 from agent.traces.forward import Forwarder
-from agent.traces.identity import SpanServices
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import Limits
 from agent.traces.pipeline import MAX_FUTURE_SKEW_S, Overloaded, RequestPipeline
 from agent.traces.receiver_http import HttpReceiver
 from agent.traces.request_store import RequestStore
 from tests.support.agent import post_traces
-from tests.unit.test_receivers import FakeCgroups, FakeSched, wait_for
+from tests.unit.test_receivers import FakeSched, FixedOrigin, wait_for
 
 MiB = 1 << 20
 
@@ -71,7 +70,7 @@ class Hold:
 
 def make(counters: TraceCounters, store: RequestStore, sink=None, **kw) -> tuple[FakeSched, RequestPipeline]:
     sched = FakeSched()
-    services = SpanServices(FakeCgroups(), str, lambda: {"vllm"})
+    services = FixedOrigin()
     return sched, RequestPipeline(sched, services, (Slo("vllm", request_e2e_p99=0.5),), store, counters, sink, **kw)
 
 

@@ -48,7 +48,7 @@ import json, time
 from agent.probe import features
 from agent.probe.footprint import release_compiler_memory
 from agent.probe.loader import Probe
-from tests.kernel.test_footprint import compiler_resident, compiler_paths
+from tests.kernel.test_footprint_release import compiler_resident, compiler_paths
 
 probe = Probe.load(features.detect())
 before = compiler_resident()
