@@ -229,7 +229,8 @@ def refusal(what: str, err: int, status_text: str) -> str:
         if seccomp_mode(status_text) == 2:
             return (f"{what} was refused although the process holds the capabilities: a seccomp filter blocks it "
                     "(the containers-common profile of CRI-O and podman allows bpf() only with CAP_SYS_ADMIN); "
-                    "run under a profile that allows bpf and perf_event_open, e.g. containerd's RuntimeDefault")
+                    "run under a profile that allows bpf and perf_event_open: containerd's RuntimeDefault, or the "
+                    "Localhost profile deploy/seccomp/slatrace.json")
         return (f"{what} was refused although the process holds the capabilities: check "
                 "kernel.unprivileged_bpf_disabled, kernel.perf_event_paranoid and any LSM (SELinux, AppArmor) policy")
     if err == errno.ENOSYS:
