@@ -230,12 +230,6 @@ class Probe:
         err_table = self._bpf[b"errors"]
         return {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
 
-    def map_entries(self) -> dict[str, int]:
-        """Entries each counting map holds now (what the last drain left plus
-        what programs added since): the live set, for the self-metrics."""
-        return {name: sum(len(k) for k, _ in self._batches(name)) for name in ("hists", "blame", "cgroups")} | {
-            "tasks": sum(len(k) for k, _ in self._batches("tasks"))}
-
     def program_stats(self) -> dict[str, ProgramStats]:
         """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero
         unless kernel.bpf_stats_enabled is on)."""
@@ -260,7 +254,7 @@ class Probe:
         interface cannot filter) but left alone; right after the flip there
         are only a few.
         """
-        parts = [(k, v) for k, v in self._batches(name)]
+        parts = list(self._batches(name))
         key_t, val_t = MAP_TYPES[name]
         if not parts:
             return np.empty(0, np.dtype(key_t)), np.empty(0, np.dtype(val_t))

@@ -16,42 +16,20 @@ from tests.support.workload import TestCgroup, hog_argv, victim_argv, wait_zombi
 pytestmark = pytest.mark.kernel
 
 
-def _possible_cpus() -> int:
-    n = 0
-    for part in open("/sys/devices/system/cpu/possible").read().strip().split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
-
-
-def _fdinfo(fd: int) -> dict[str, str]:
-    out = {}
-    for line in open(f"/proc/self/fdinfo/{fd}").read().splitlines():
-        k, _, v = line.partition(":")
-        out[k.strip()] = v.strip()
-    return out
-
-
-MAP_TYPE_NAMES = {1: "hash", 2: "array", 5: "percpu_hash", 6: "percpu_array", 9: "lru_hash", 27: "ringbuf"}
-
-
 def test_map_memory_is_the_documented_formula(probe):
     """The kernel's own memlock charge of every map equals bench/mapmem.py's
     formula for this host's possible CPUs; at 64 CPUs the total stays within
     64 MiB because no counting map is per-CPU."""
-    from bench.mapmem import MIB, MapShape, map_bytes
+    from bench.bpfstats import process_maps
+    from bench.mapmem import MIB, map_bytes, possible_cpus
 
-    cpus = _possible_cpus()
-    shapes, measured = [], 0
-    for name in ("tasks", "hists", "blame", "cgroups", "errors", "ctl", "watched", "event_rates", "events"):
-        info = _fdinfo(probe.bpf[name.encode()].map_fd)
-        shape = MapShape(name, MAP_TYPE_NAMES[int(info["map_type"])], int(info["max_entries"]),
-                         int(info["key_size"]), int(info["value_size"]))
-        memlock = int(info["memlock"])
-        assert map_bytes(shape, cpus) == pytest.approx(memlock, rel=0.01, abs=1024), name
-        shapes.append(shape)
-        measured += memlock
-    total_64 = sum(map_bytes(s, 64) for s in shapes)
+    cpus = possible_cpus()
+    maps = process_maps(os.getpid())
+    assert {m.name for m in maps} >= {"tasks", "hists", "blame", "cgroups", "events"}
+    for m in maps:
+        assert map_bytes(m, cpus) == pytest.approx(m.memlock, rel=0.01, abs=1024), m.name
+    measured = sum(m.memlock for m in maps)
+    total_64 = sum(map_bytes(m, 64) for m in maps)
     print(f"\nBPF map memory: {measured / MIB:.1f} MiB here ({cpus} CPUs), {total_64 / MIB:.1f} MiB at 64 CPUs")
     assert total_64 <= 64 * MIB
 
