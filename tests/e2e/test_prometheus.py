@@ -203,12 +203,21 @@ def test_histogram_quantile_agrees_with_the_agent_quantile(run: Run) -> None:
     for name, by_q in errors.items():
         print(f"histogram_quantile vs agent quantile (victim), {name}:",
               {q: f"{hq * 1e6:.1f} us vs {aq * 1e6:.1f} us ({e:.1%})" for q, (hq, aq, e) in by_q.items()})
+    # Below the first bound (8.192 us) Prometheus has one bucket, [0, 8.192 us],
+    # and interpolates linearly inside it: it can only place the quantile there.
+    # (A wake-up that preempts at once makes the victim's median ~2 us on some
+    # runs.) Those quantiles are checked for that, the others for closeness.
+    first = classic_bounds(4)[0]
+    low = {name: {q: v for q, v in by_q.items() if v[1] < first} for name, by_q in errors.items()}
+    assert all(hq <= first for by_q in low.values() for hq, _, _ in by_q.values()), low
+    above = {name: {q: v for q, v in by_q.items() if v[1] >= first} for name, by_q in errors.items()}
+    assert above["85 bounds"], "every quantile of the victim fell below the first bucket bound: no contention"
     # Four bounds per octave (steps of ~1.2x): within 10%, as the synthetic
     # distributions of docs/metrics.md predict.
-    assert all(e <= 0.10 for _, _, e in errors["85 bounds"].values()), errors
+    assert all(e <= 0.10 for _, _, e in above["85 bounds"].values()), errors
     # The default two per octave (~1.4x): measured up to ~16% off on this
     # workload's narrow wake-up peak (docs/metrics.md), so the bound is 20%.
-    assert all(e <= 0.20 for _, _, e in errors["43 bounds"].values()), errors
+    assert all(e <= 0.20 for _, _, e in above["43 bounds"].values()), errors
 
 
 def test_rules_load_and_evaluate_on_real_data(run: Run) -> None:
