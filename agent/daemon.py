@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client.registry import CollectorRegistry
 
 from agent.api.routes import AgentState, Api
 from agent.attribution.attribution import SloBreaches
@@ -25,7 +24,7 @@ from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.export.figures import HistogramPoint, Sources, summed
-from agent.export.prometheus import SlatraceCollector
+from agent.export.prometheus import Registry, SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
@@ -90,7 +89,7 @@ class Daemon:
         self.stop_event = threading.Event()
         self.store = Store(config.retention, max_services=config.max_services,
                            reserved=frozenset(r.name for r in config.services))
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = Registry()
         self.poll_seconds = 0.0
         self.polls = 0
         self.poll_errors = 0

@@ -109,7 +109,9 @@ class Api:
                         "text/plain")
 
     def _metrics(self, query) -> Response:
-        return Response(200, generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
+        # A registry that writes its own exposition (agent.export.prometheus.Registry) is faster at a node's size.
+        own = getattr(self.state.registry, "exposition", None)
+        return Response(200, own() if own is not None else generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
 
     def _services(self, query) -> Response:
         return json_response(200, {"services": self.state.describe_services()})

@@ -19,13 +19,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from agent import __version__
 from agent.attribution.attribution import judge_slos
 from agent.config import Slo
 from agent.probe.layout import ERROR_MAPS
+from agent.snapshot import HIST_IOWAIT, HIST_RUNQ
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
-from agent.snapshot import PairCounters
 from agent.store.store import IDLE, ServiceWindow, Store
+from agent.store.table import ServiceTable, quantiles, sum_by
 
 MetricType = Literal["counter", "gauge", "histogram", "summary"]
 
@@ -257,7 +260,8 @@ def top_culprits(f: ServiceWindow, n: int = TOP_CULPRITS) -> frozenset[str]:
 
     Dropped, not summed into an "other" label: every exported counter is then
     a pair's true total, which only grows; a folded sum would shrink whenever
-    the ranking changed, and Prometheus would read a counter reset."""
+    the ranking changed, and Prometheus would read a counter reset.
+    (exported_culprits() makes the same choice for every service at once.)"""
     caused: dict[str, int] = {}
     for table in (f.preempted_by, f.waited_behind):
         for by, p in table.items():
@@ -267,8 +271,30 @@ def top_culprits(f: ServiceWindow, n: int = TOP_CULPRITS) -> frozenset[str]:
     return frozenset(ranked) | {IDLE}
 
 
-def _culprit_items(table: Mapping[str, PairCounters], keep: frozenset[str]) -> list[tuple[str, PairCounters]]:
-    return [(by, p) for by, p in sorted(table.items()) if by in keep]
+def exported_culprits(t: ServiceTable, every: np.ndarray, n: int = TOP_CULPRITS) -> tuple[np.ndarray, ...]:
+    """The blame rows of `t` that are exported, as columns (victim, culprit,
+    preempted, count, wait) sorted by victim name then culprit name: per
+    victim the n culprits top_culprits() names, plus "idle"; every culprit of
+    the victims `every` marks (a bool per name position)."""
+    v, c, pre, count, wait = t.b_victim, t.b_culprit, t.b_preempted, t.b_count, t.b_wait
+    if not len(v):
+        return v, c, pre, count, wait
+    names = np.array(t.names, dtype=object)
+    by_name = np.empty(len(names), np.int64)
+    by_name[np.argsort(names, kind="stable")] = np.arange(len(names))
+    idle = (names == IDLE)[c]
+    size = len(names)
+    pair = v * size + c
+    pk, caused = sum_by(pair[~idle], wait[~idle])
+    pv, pc = np.divmod(pk, size)
+    order = np.lexsort((by_name[pc], -caused, pv))
+    g = pv[order]
+    first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1]))) if len(g) else g
+    rank = np.arange(len(g)) - np.repeat(first, np.diff(np.concatenate((first, [len(g)]))))
+    keep = idle | every[v] | np.isin(pair, pk[order[rank < n]])
+    v, c, pre, count, wait = v[keep], c[keep], pre[keep], count[keep], wait[keep]
+    order = np.lexsort((by_name[c], by_name[v]))
+    return v[order], c[order], pre[order], count[order], wait[order]
 
 
 def compute(store: Store, sources: Sources = Sources(), now: float | None = None) -> list[Family]:
@@ -276,50 +302,64 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     # Window first: a scrape racing an ingest then sees totals at least as new
     # as the window, never a window newer than the counters.
     window = store.window(QUANTILE_WINDOW_S, now=now, blame=False)
-    totals = store.totals()
-    services = sorted(totals)
+    totals = store.totals_table()
+    services = totals.service_names
     bounds = sources.bounds
     bucketed = histogram_services(sources.histograms)
     points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
 
-    def histogram(s: str, hist: Histogram) -> HistogramPoint:
-        if bucketed(s):
-            return histogram_point((s,), hist, bounds)
-        return HistogramPoint((s,), (), (hist.count,), hist.sum_seconds)
+    # Every service's figures come from the totals' columns; a per-service
+    # histogram is built only for the services whose buckets are exported.
+    position = {totals.names[i]: i for i in totals.active.tolist()}
+    runq = {i: (c, t) for i, c, t in zip(*(a.tolist() for a in totals.hist_totals(HIST_RUNQ)))}
+    iowait = {i: (c, t) for i, c, t in zip(*(a.tolist() for a in totals.hist_totals(HIST_IOWAIT)))}
+    counters = totals.counters.tolist()
+    with_buckets = {s for s in services if bucketed(s)}
+
+    def histogram(s: str, kind: int, count: int, sum_ns: int) -> HistogramPoint:
+        if s in with_buckets:
+            return histogram_point((s,), totals.histogram(position[s], kind), bounds)
+        return HistogramPoint((s,), (), (count,), sum_ns / 1e9)
 
     # The series budget (docs/metrics.md): a kind that never happened to a
     # service has no series; culprits are the top few.
     for s in services:
-        f = totals[s]
-        if f.runq.count:
-            points[RUNQ_LATENCY.name].append(histogram(s, f.runq))
-            points[RUNQ_WAIT.name].append(Point((s,), f.runq.sum_seconds))
-        # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
-        keep = frozenset(f.preempted_by) | frozenset(f.waited_behind) if bucketed(s) else top_culprits(f)
-        for by, p in _culprit_items(f.preempted_by, keep):
-            points[PREEMPTIONS.name].append(Point((s, by), p.count))
-            points[PREEMPTED_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
-        for by, p in _culprit_items(f.waited_behind, keep):
-            points[WAKEUP_WAIT.name].append(Point((s, by), p.wait_ns / 1e9))
-        if f.iowait.count:
-            points[IOWAIT.name].append(histogram(s, f.iowait))
-        if f.migrations:
-            points[MIGRATIONS.name].append(Point((s,), f.migrations))
-        for kind, n in zip(UNTRACED_KINDS, (f.untraced_switch_in, f.untraced_switch_out, f.untraced_wakeup)):
+        i = position[s]
+        count, sum_ns = runq.get(i, (0, 0))
+        if count:
+            points[RUNQ_LATENCY.name].append(histogram(s, HIST_RUNQ, count, sum_ns))
+            points[RUNQ_WAIT.name].append(Point((s,), sum_ns / 1e9))
+        count, sum_ns = iowait.get(i, (0, 0))
+        if count:
+            points[IOWAIT.name].append(histogram(s, HIST_IOWAIT, count, sum_ns))
+        migrations, *untraced = counters[i][:4]
+        if migrations:
+            points[MIGRATIONS.name].append(Point((s,), migrations))
+        for kind, n in zip(UNTRACED_KINDS, untraced):
             if n:
                 points[UNTRACED.name].append(Point((s, kind), n))
 
+    # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
+    every = np.array([name in with_buckets for name in totals.names], bool)
+    names = totals.names
+    for v, c, pre, count, wait in zip(*(a.tolist() for a in exported_culprits(totals, every))):
+        labels = (names[v], names[c])
+        if pre:
+            points[PREEMPTIONS.name].append(Point(labels, count))
+            points[PREEMPTED_WAIT.name].append(Point(labels, wait / 1e9))
+        else:
+            points[WAKEUP_WAIT.name].append(Point(labels, wait / 1e9))
+
+    recent = quantiles(window.table, HIST_RUNQ, QUANTILES) if window.table is not None else {}
     for s in services:
-        runq = totals[s].runq
-        if not runq.count:
-            continue
-        recent = window.services.get(s)
-        qs = tuple((q, recent.runq.quantile(q)) for q in QUANTILES) if recent and recent.runq.count else ()
-        points[RUNQ_QUANTILE.name].append(SummaryPoint((s,), qs, runq.count, runq.sum_seconds))
+        count, sum_ns = runq.get(position[s], (0, 0))
+        if count:
+            qs = tuple(zip(QUANTILES, recent[s])) if s in recent else ()
+            points[RUNQ_QUANTILE.name].append(SummaryPoint((s,), qs, count, sum_ns / 1e9))
 
     # SLOs are judged for every configured service that has been seen, on the
     # same window as the quantile gauges, with the attribution API's judge.
-    for s in services:
+    for s in sorted({slo.service for slo in sources.slos} & set(position)):
         figures = window.services.get(s)
         if figures is None:
             continue

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config, ServiceRule, Slo
-from agent.export.figures import SERIES_PER_SERVICE, TOP_CULPRITS, Sources
-from agent.export.prometheus import SlatraceCollector
+from agent.export.figures import SERIES_PER_SERVICE, TOP_CULPRITS, Sources, exported_culprits, top_culprits
+from agent.export.prometheus import Registry, SlatraceCollector
 from agent.store.histogram import Histogram, classic_bounds
 from agent.store.store import Store
 from tests.support.synthetic_node import SyntheticNode
@@ -203,3 +204,53 @@ def test_totals_of_a_churning_node_equal_the_merge_of_every_interval() -> None:
         assert dict(f.runq.items()) == dict(m.runq.items()), name
         assert dict(f.preempted_by) == dict(m.preempted_by) and dict(f.waited_behind) == dict(m.waited_behind)
     assert totals[node.name(node.cgid(39))].runq.count == node.runq_count(39, 24) > 0
+
+
+def test_fast_exposition_is_byte_for_byte_the_libraries(node_scrape) -> None:
+    """/metrics writes the collector's text directly (agent.export.prometheus.render);
+    prometheus_client's generate_latest over the same families is the reference."""
+    node, _, config = node_scrape
+    store = Store(900, clock=lambda: node.snapshot(3).wall + 0.5, max_services=config.max_services)
+    feed(node, store, 3)
+    # Label values that need escaping: a quote, a backslash and a newline.
+    odd = {node.cgid(0): 'we"ird\\name\nx'}
+    store2 = Store(900, clock=lambda: node.snapshot(3).wall + 0.5)
+    for t in range(4):
+        store2.ingest(node.snapshot(t), lambda cg: odd.get(cg) or node.name(cg))
+    names = [node.name(node.cgid(i)) for i in range(N)]
+    sources = Sources(slos=config.slos, histograms=config.histogram_globs(),
+                      throttled_seconds=lambda: {n: 0.5 for n in names},
+                      request_sched_delay=lambda: {n: Histogram.from_ns([30_000, 900_000]) for n in names},
+                      agent_stats=lambda: {"slatrace_poll_duration_seconds": 0.25, "slatrace_poll_errors": 2})
+    for s in (store, store2):
+        for src in (sources, Sources(histograms=("*",))):
+            collector = SlatraceCollector(s, sources=src)
+            registry = Registry()
+            registry.register(collector)
+            reference = CollectorRegistry(auto_describe=False)
+            reference.register(collector)
+            fast, slow = registry.exposition(), generate_latest(reference)
+            assert fast == slow
+            assert fast.count(b"\n") > 2 * N   # not vacuous: a node's worth of samples
+
+
+def test_exported_culprits_are_each_services_top_culprits(node_scrape) -> None:
+    """The columnar choice of exported culprits against top_culprits() of each
+    service's own figures."""
+    node, _, _ = node_scrape
+    store = Store(900, clock=lambda: node.snapshot(3).wall + 0.5)
+    feed(node, store, 3)
+    t = store.totals_table()
+    every = np.zeros(len(t.names), bool)
+    v, c, pre, _, _ = exported_culprits(t, every)
+    got: dict[str, set] = {}
+    for victim, culprit in zip(v.tolist(), c.tolist()):
+        got.setdefault(t.names[victim], set()).add(t.names[culprit])
+    want = {}
+    for name, f in store.totals().items():
+        keep = top_culprits(f)
+        named = (set(f.preempted_by) | set(f.waited_behind)) & keep
+        if named:
+            want[name] = named
+    assert got == want
+    assert sum(len(x) for x in want.values()) > N   # not vacuous
