@@ -138,8 +138,7 @@ class Daemon:
         return self._resolver.service_of(cgid) if self._resolver else "unknown"
 
     def _cgroups_of(self, service: str) -> set[int]:
-        figures = self.store.totals().get(service)
-        return set(figures.cgroups) if figures else set()
+        return set(self.store.cgroups(service))
 
     def _describe_services(self) -> list[dict]:
         return self._resolver.describe() if self._resolver else []
@@ -147,7 +146,7 @@ class Daemon:
     def _self_metrics(self) -> dict[str, float]:
         return {
             "slatrace_poll_duration_seconds": self.poll_seconds,
-            "slatrace_services_tracked": float(len(self.store.totals())),
+            "slatrace_services_tracked": float(len(self.store.services())),
             "slatrace_intervals_collected": float(self.polls),
         }
 
@@ -212,7 +211,7 @@ class Daemon:
 
         try:
             self._traces = Traces(self.config, self.request_sched, cgroups, self._resolver.service_of,
-                                  lambda: {r.name for r in self.config.services} | set(self.store.totals()),
+                                  lambda: {r.name for r in self.config.services} | set(self.store.services()),
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
                                   otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods)
@@ -258,7 +257,7 @@ class Daemon:
 
     def housekeeping(self) -> None:
         """Every few seconds, off the collection path."""
-        seen = set(self.store.totals())
+        seen = set(self.store.services())
         if self._traces is not None:
             seen |= set(self._traces.counters.requests)
         self._slo_warnings.check(self.config.slos, seen)

@@ -44,6 +44,8 @@ BLOCK_S = 60.0
 CULPRITS_KEPT = 8
 # ... and beyond the largest CULPRITS_SUMMED of a victim over a window or since start.
 CULPRITS_SUMMED = 32
+# Intervals at most waiting to be merged into the totals.
+PENDING_MAX = 10
 # Where totals of services beyond max_services are counted (the resolver's name too).
 OTHER_SERVICE = "other"
 
@@ -128,6 +130,11 @@ class Store:
         self._records: deque[IntervalRecord] = deque()
         self._collected = 0
         self._totals = ServiceTable.empty()
+        # Intervals not yet merged into the totals: merging once per read (a
+        # scrape every 15 s) instead of once per interval saves most of the
+        # totals' cost on a node; they are merged at the latest every
+        # PENDING_MAX intervals, or when a service is forgotten.
+        self._pending: list[ServiceTable] = []
         self._last_seen: dict[str, float] = {}   # service -> end of its newest interval (the totals' services)
         self._error_totals: dict[str, int] = {}
         self._programs: Mapping[str, ProgramStats] = _EMPTY
@@ -169,7 +176,7 @@ class Store:
             )
             # The merges run outside the readers' lock; only this thread writes.
             coarse = self._coarsened(record.end)
-            totals, last_seen = self._added_to_totals(record)
+            totals, pending, last_seen = self._added_to_totals(record)
             with self._lock:
                 self._records.append(record)
                 if coarse is not None:
@@ -177,7 +184,7 @@ class Store:
                 horizon = record.end - self._retention_s
                 while self._records and self._records[0].end < horizon:
                     self._records.popleft()
-                self._totals, self._last_seen = totals, last_seen
+                self._totals, self._pending, self._last_seen = totals, pending, last_seen
                 for name, n in errors.items():
                     self._error_totals[name] = self._error_totals.get(name, 0) + n
                 self._programs = MappingProxyType(dict(snapshot.programs))
@@ -282,9 +289,10 @@ class Store:
                 errors[map_name] = d
         return table.compacted(), errors
 
-    def _added_to_totals(self, record: IntervalRecord) -> tuple[ServiceTable, dict[str, float]]:
-        """The totals with an interval added and the services unseen for the
-        retention forgotten, and when each kept service was last seen.
+    def _added_to_totals(self, record: IntervalRecord) -> tuple[ServiceTable, list[ServiceTable], dict[str, float]]:
+        """The totals and their pending intervals with one interval added, the
+        services unseen for the retention forgotten, and when each kept
+        service was last seen.
 
         Beyond max_services, a new name's figures (as a service and as a
         culprit) are counted under OTHER_SERVICE."""
@@ -307,14 +315,23 @@ class Store:
             t = t.renamed(names)
         for i in t.active.tolist():
             last_seen[names[i]] = record.end
-        totals = merge([self._totals, t], CULPRITS_SUMMED)
+        pending = [*self._pending, t]
+        totals = self._totals
         horizon = record.end - self._retention_s
         gone = {name for name, seen in last_seen.items() if seen < horizon}
+        if gone or len(pending) >= PENDING_MAX:
+            totals, pending = merge([totals, *pending], CULPRITS_SUMMED), []
         if gone:
             for name in gone:
                 del last_seen[name]
             totals = totals.without(gone)
-        return totals, last_seen
+        return totals, pending, last_seen
+
+    def _merged_totals(self) -> ServiceTable:
+        """The totals with the pending intervals merged in (readers' lock held)."""
+        if self._pending:
+            self._totals, self._pending = merge([self._totals, *self._pending], CULPRITS_SUMMED), []
+        return self._totals
 
     # Readers.
 
@@ -369,13 +386,23 @@ class Store:
     def totals(self) -> Mapping[str, ServiceWindow]:
         """Per-service sums since each service was first seen, for the services
         seen within the retention; a service's sums only grow while it is kept."""
-        with self._lock:
-            return self._totals.services
+        return self.totals_table().services
 
     def totals_table(self) -> ServiceTable:
         """The totals as columns, for readers of every service."""
         with self._lock:
-            return self._totals
+            return self._merged_totals()
+
+    def cgroups(self, service: str) -> frozenset[int]:
+        """The cgroup ids a service's totals were counted from (without merging them)."""
+        with self._lock:
+            tables = [self._totals, *self._pending]
+        return frozenset().union(*(t.cgroups_of(service) for t in tables))
+
+    def services(self) -> frozenset[str]:
+        """The services the totals hold (without merging them)."""
+        with self._lock:
+            return frozenset(self._last_seen)
 
     def error_totals(self) -> dict[str, int]:
         """Failed map updates per map since the store started."""

@@ -153,6 +153,13 @@ class ServiceTable:
             return Histogram()
         return Histogram.from_arrays(self.h_slot[b:y], self.h_count[b:y], self.h_sum[b:y])
 
+    def cgroups_of(self, name: str) -> frozenset[int]:
+        i = self._positions.get(name)
+        if i is None:
+            return frozenset()
+        a, z = np.searchsorted(self.cg_svc, [i, i + 1])
+        return frozenset(self.cg_id[a:z].tolist())
+
     def service(self, name: str) -> ServiceInterval | None:
         i = self._positions.get(name)
         if i is None:
@@ -167,7 +174,6 @@ class ServiceTable:
             old = table.get(name_by)
             table[name_by] = PairCounters(c, w) if old is None else PairCounters(old[0] + c, old[1] + w)
         cnt = self.counters[i].tolist()
-        c0, c1 = np.searchsorted(self.cg_svc, [i, i + 1])
         return ServiceInterval(
             runq=self.histogram(i, HIST_RUNQ),
             iowait=self.histogram(i, HIST_IOWAIT),
@@ -176,7 +182,7 @@ class ServiceTable:
             untraced_switch_in=cnt[1],
             untraced_switch_out=cnt[2],
             untraced_wakeup=cnt[3],
-            cgroups=frozenset(self.cg_id[c0:c1].tolist()),
+            cgroups=self.cgroups_of(name),
             waited_behind=MappingProxyType(dict(sorted(holders.items()))),
             lost_runq=PairCounters(cnt[4], cnt[5]),
             lost_iowait=PairCounters(cnt[6], cnt[7]),

@@ -339,3 +339,17 @@ def test_culprits_beyond_the_largest_are_summed_as_other() -> None:
     assert {f"c{i}" for i in range(12, 20)} | {"other"} == set(by)
     assert by["other"] == PairCounters(12, 1000 * sum(range(1, 13)))
     assert sum(p.wait_ns for p in by.values()) == 1000 * sum(range(1, 21))
+
+
+def test_totals_read_before_and_after_their_pending_intervals_merge() -> None:
+    """The totals merge their pending intervals when read; the names and
+    cgroups of the services are answered without merging, and agree."""
+    store, _, _ = filled_store()
+    assert store.services() == {"web", "batch"}
+    assert store.cgroups("web") == {WEB_A, WEB_B} and store.cgroups("batch") == {BATCH}
+    assert store.cgroups("nobody") == frozenset()
+    totals = store.totals()
+    assert set(totals) == store.services()
+    assert totals["web"].cgroups == store.cgroups("web")
+    # Merged, and read again: the same figures.
+    assert store.totals()["web"].runq == totals["web"].runq
