@@ -36,6 +36,9 @@ QUANTILES = (0.5, 0.95, 0.99)
 QUANTILE_WINDOW_S = 60.0
 # Untraced-event kinds, in the order the store counts them.
 UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
+# What full kernel maps could not record, in the order the store counts it
+# (agent/probe/layout.py CGROUP_FIELDS: lost_runq, lost_iowait, lost_blame).
+LOST_KINDS = ("runq", "iowait", "blame")
 # by_service values exported per service, ranked by the wait they caused
 # since the service was first seen; "idle" is exported besides them.
 TOP_CULPRITS = 3
@@ -190,6 +193,10 @@ REQUEST_SCHED_DELAY = _spec("slatrace_request_sched_delay_seconds", "histogram",
 UNTRACED = _spec("slatrace_untraced_events", "counter",
                  "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
                  "from the event stream); counted, never invented.", ("service", "kind"), "1")
+LOST_WAITS = _spec("slatrace_lost_waits", "counter",
+                   "Waits a full kernel map could not record (docs/maps.md), by kind: runq and iowait waits "
+                   "missing from the histograms, blame for runq waits missing from the culprits; counted, never "
+                   "invented.", ("service", "kind"), "1")
 BPF_EVENTS = _spec("slatrace_bpf_events", "counter", "Runs of each BPF program, counted while kernel BPF "
                    "stats are on (by default 1 s a minute, --bpf-stats): a sample, not every run.",
                    ("program",), "1")
@@ -212,7 +219,7 @@ BUILD_INFO = _spec("slatrace_build_info", "gauge", "slatrace version; always 1."
 
 CATALOG: tuple[MetricSpec, ...] = (
     RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
-    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, BPF_EVENTS, BPF_RUN,
+    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
     MAP_ERRORS, POLL_DURATION, POLL_ERRORS, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
 )
 # Daemon stats that have a spec of their own; other keys are not exported.
@@ -338,6 +345,9 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         for kind, n in zip(UNTRACED_KINDS, untraced):
             if n:
                 points[UNTRACED.name].append(Point((s, kind), n))
+        for kind, n in zip(LOST_KINDS, counters[i][4:10:2]):
+            if n:
+                points[LOST_WAITS.name].append(Point((s, kind), n))
 
     # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
     every = np.array([name in with_buckets for name in totals.names], bool)

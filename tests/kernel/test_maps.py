@@ -101,3 +101,16 @@ def test_full_maps_count_what_they_lose(kernel):
     assert counted + lost.lost_runq == pytest.approx(len(ref.runq_waits_ns), rel=0.03)
     assert blamed + lost.lost_blame == counted + lost.lost_runq
     assert snap.errors["hists"] > 0 and snap.errors["pairs"] > 0
+    # The same losses reach /metrics, per service and kind, through the store.
+    from agent.export.figures import LOST_WAITS, compute
+    from agent.snapshot import ProbeSnapshot
+    from agent.store.store import Store
+
+    store = Store(900, clock=lambda: snap.wall)
+    names = {victim_cg.id: "victim", noisy.id: "noisy"}
+    store.ingest(ProbeSnapshot(snap.mono_ns - 1, snap.wall - 1.0), lambda cg: names.get(cg, "host"))
+    store.ingest(snap, lambda cg: names.get(cg, "host"))
+    family = next(f for f in compute(store) if f.spec is LOST_WAITS)
+    exported = {p.labels: p.value for p in family.points}
+    assert exported[("victim", "runq")] == lost.lost_runq
+    assert exported[("victim", "blame")] == lost.lost_blame
