@@ -6,7 +6,8 @@ entries of N services in, per-service intervals, windows and totals out.
 Feeds the same numpy rows the probe's batch reads produce (bpf/sched.h
 layouts: one histogram row per (cgroup, kind, slot), one blame row per
 (victim, culprit, kind)) through the conversion and Store.ingest() that every
-poll runs, then the 60-second window a /metrics scrape merges and the totals.
+poll runs, then what a /metrics scrape reads (the 60-second window, its
+quantiles, the totals) and writes (the exposition text).
 The counting maps are shared between CPUs (docs/maps.md), so the number of
 possible CPUs changes nothing here: 64 CPUs hand over the same rows as 2.
 Times are CPU seconds of this process (the machine may be busy), medians over
@@ -25,7 +26,11 @@ import numpy as np
 from agent.probe import loader
 from agent.probe.layout import BlameKey, BlameVal, CgroupKey, CgroupVal, HistKey, HistVal
 from agent.snapshot import ProbeSnapshot
+from agent.export.figures import QUANTILES, Sources
+from agent.export.prometheus import Registry, SlatraceCollector
+from agent.snapshot import HIST_RUNQ
 from agent.store.store import Store
+from agent.store.table import quantiles
 
 
 def rows(services: int, slots: int, culprits: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,18 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.process_time()
     window = store.window(60, blame=False)
     t1 = time.process_time()
-    quantiles = [s.runq.quantile(q) for s in window.services.values() for q in (0.5, 0.95, 0.99)]
+    recent = quantiles(window.table, HIST_RUNQ, QUANTILES)
     t2 = time.process_time()
-    totals = store.totals()
+    totals = store.totals_table()
     t3 = time.process_time()
     full = store.window(60)
     t4 = time.process_time()
+    registry = Registry()
+    registry.register(SlatraceCollector(store, sources=Sources(histograms=())))
+    text = registry.exposition()
+    t5 = time.process_time()
     print(f"{args.services} services, {len(h)} histogram rows + {len(b)} blame rows per interval")
-    print(f"ingest per interval (median of {args.intervals}): {statistics.median(ingest) * 1e3:.0f} ms")
+    print(f"ingest per interval (median of {args.intervals}): {statistics.median(ingest) * 1e3:.0f} ms, "
+          f"max {max(ingest) * 1e3:.0f} ms")
     print(f"60 s window, histograms only ({window.intervals} intervals): {(t1 - t0) * 1e3:.0f} ms; "
-          f"{len(quantiles)} quantiles: {(t2 - t1) * 1e3:.0f} ms")
+          f"{len(recent) * len(QUANTILES)} quantiles: {(t2 - t1) * 1e3:.0f} ms")
     print(f"totals of {len(totals)} services: {(t3 - t2) * 1e3:.0f} ms; "
-          f"60 s window with blame: {(t4 - t3) * 1e3:.0f} ms")
+          f"60 s window with blame ({len(full.services)} services): {(t4 - t3) * 1e3:.0f} ms")
+    print(f"/metrics text (no buckets): {(t5 - t4) * 1e3:.0f} ms, {len(text) / 1e6:.2f} MB")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
     return 0
 

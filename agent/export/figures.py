@@ -283,7 +283,8 @@ def exported_culprits(t: ServiceTable, every: np.ndarray, n: int = TOP_CULPRITS)
     preempted, count, wait) sorted by victim name then culprit name: per
     victim the n culprits top_culprits() names, plus "idle"; every culprit of
     the victims `every` marks (a bool per name position)."""
-    v, c, pre, count, wait = t.b_victim, t.b_culprit, t.b_preempted, t.b_count, t.b_wait
+    v, c, pre, count, wait = t.b_victim.astype(np.int64), t.b_culprit.astype(np.int64), t.b_preempted, \
+        t.b_count, t.b_wait
     if not len(v):
         return v, c, pre, count, wait
     names = np.array(t.names, dtype=object)

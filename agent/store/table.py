@@ -15,6 +15,7 @@ threads.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,6 +33,11 @@ N_COUNTERS = len(CGROUP_FIELDS)
 
 _EMPTY: Mapping = MappingProxyType({})
 _I64 = np.int64
+_DTYPES = {
+    "active": np.int32, "h_svc": np.int32, "h_kind": np.uint8, "h_slot": np.int16, "h_count": _I64, "h_sum": _I64,
+    "b_victim": np.int32, "b_culprit": np.int32, "b_preempted": np.uint8, "b_count": _I64, "b_wait": _I64,
+    "cg_svc": np.int32, "cg_id": np.uint64,
+}
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,15 @@ class ServiceTable:
     cg_svc: np.ndarray           # (service position, cgroup id) pairs, unique
     cg_id: np.ndarray
 
+    def __post_init__(self) -> None:
+        # Compact types for what a record keeps for minutes (positions, kinds
+        # and slots are small); counts and sums stay int64. Arithmetic on the
+        # columns promotes to int64 again.
+        for name, dtype in _DTYPES.items():
+            col = getattr(self, name)
+            if col.dtype != dtype:
+                object.__setattr__(self, name, col.astype(dtype))
+
     @classmethod
     def empty(cls) -> ServiceTable:
         e = _empty()
@@ -151,7 +166,7 @@ class ServiceTable:
         b, y = np.searchsorted(k, [kind, kind + 1]) + a
         if b == y:
             return Histogram()
-        return Histogram.from_arrays(self.h_slot[b:y], self.h_count[b:y], self.h_sum[b:y])
+        return Histogram.from_arrays(self.h_slot[b:y].astype(_I64), self.h_count[b:y], self.h_sum[b:y])
 
     def cgroups_of(self, name: str) -> frozenset[int]:
         i = self._positions.get(name)
@@ -307,17 +322,15 @@ def merge(tables: Sequence[ServiceTable], keep_culprits: int, blame: bool = True
         return ServiceTable.empty()
     if len(tables) == 1 and blame and len(set(tables[0].names)) == len(tables[0].names):
         return tables[0]
-    index: dict[str, int] = {}
-    maps: list[np.ndarray] = []
-    seen: dict[int, np.ndarray] = {}   # one mapping per distinct names tuple (consecutive intervals share one)
-    for t in tables:
-        m = seen.get(id(t.names))
-        if m is None:
-            m = np.fromiter((index.setdefault(x, len(index)) for x in t.names), _I64, len(t.names))
-            seen[id(t.names)] = m
-        maps.append(m)
+    # The union of the names, then each table's positions in it: C-level
+    # dict and map calls, since a window maps sixty tables of a thousand names.
+    distinct = list({id(t.names): t.names for t in tables}.values())
+    union = dict.fromkeys(itertools.chain.from_iterable(distinct))
     if blame and any(len(t.b_victim) for t in tables):
-        index.setdefault(OTHER_CULPRITS, len(index))
+        union.setdefault(OTHER_CULPRITS)
+    index = {name: i for i, name in enumerate(union)}
+    by_tuple = {id(names): np.fromiter(map(index.__getitem__, names), _I64, len(names)) for names in distinct}
+    maps = [by_tuple[id(t.names)] for t in tables]
     n = len(index)
     names = tuple(index)
 
@@ -342,7 +355,14 @@ def merge(tables: Sequence[ServiceTable], keep_culprits: int, blame: bool = True
         vic = cul = pre = bc = bw = _empty()
 
     counters = np.zeros((n, N_COUNTERS), _I64)
-    np.add.at(counters, np.concatenate(maps), np.concatenate([t.counters for t in tables]))
+    rows = np.concatenate([t.counters for t in tables])
+    nonzero = rows.any(axis=1)
+    if nonzero.any():
+        keys = np.concatenate(maps)[nonzero]
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], rows[nonzero][order]
+        starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1])))
+        counters[keys[starts]] = np.add.reduceat(rows, starts, axis=0)
 
     cs, cid = cat("cg_svc", True), np.concatenate([t.cg_id for t in tables])
     order = np.lexsort((cid, cs))
