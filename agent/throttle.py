@@ -9,9 +9,10 @@ v2 cgroup or its nearest ancestor with a quota, or, on v1, the nearest cgroup
 with a quota above the v1 cpu cgroup of each of its processes
 (/proc/PID/cgroup).
 
-That mapping costs a directory walk and a /proc read per process, so it is
-rebuilt only every `map_refresh_s` or when a service shows a cgroup it did not
-have; each interval then reads one cpu.stat per quota cgroup and nothing else.
+That mapping costs a directory walk and a /proc read per process, so a
+service is mapped again only when it shows a cgroup it did not have, or once
+every `map_refresh_s` (a share of the services each poll); each interval then
+reads one cpu.stat per quota cgroup and nothing else.
 Deltas are kept per interval for the retention window, like the store's.
 """
 
@@ -128,7 +129,8 @@ class ThrottleReader:
         # A quota cgroup created after the agent started was watched for its whole
         # life, so its first reading counts in full; an older one is a baseline.
         self.started_at = time.time() if started_at is None else started_at
-        self._mapped_at: float | None = None
+        self._mapped_at: float | None = None   # when the previous poll mapped
+        self._cursor = 0                       # where the next share of services to map again starts
         self._mapped_services: dict[str, frozenset[str]] = {}
         self._quota_of: dict[str, set[_QuotaCgroup]] = {}
         self._last: dict[_QuotaCgroup, int] = {}
@@ -140,20 +142,43 @@ class ThrottleReader:
             return {}
         wanted = {s: frozenset(p) for s, p in cgroups_by_service.items()}
         now = self._clock()
+        # Mapped again: a service that shows a cgroup it did not have, and a
+        # share of the others so that each is looked at again within
+        # map_refresh_s (processes move between v1 cgroups, quotas are set
+        # later). Spread over the polls, a node's thousand services never
+        # cost one poll a thousand directory walks at once.
+        stale = [s for s, paths in wanted.items() if not paths <= self._mapped_services.get(s, frozenset())]
+        stale_set = set(stale)
+        rest = sorted(s for s in wanted if s not in stale_set)
+        if self._mapped_at is None:
+            due = rest
+        else:
+            share = min(1.0, max(0.0, now - self._mapped_at) / self.map_refresh_s)
+            take = min(len(rest), int(len(rest) * share + 0.999))
+            start = self._cursor % len(rest) if rest else 0
+            due = (rest[start:] + rest[:start])[:take]
+            self._cursor = start + take
+        self._mapped_at = now
         retired: dict[str, set[_QuotaCgroup]] = {}
-        if (self._mapped_at is None or now - self._mapped_at >= self.map_refresh_s
-                or any(not paths <= self._mapped_services.get(s, frozenset()) for s, paths in wanted.items())):
-            old = self._quota_of
-            self._quota_of = self._build_map(wanted)
-            self._mapped_services = wanted
-            self._mapped_at = now
+        remap = stale + due
+        if remap:
+            found = self._build_map({s: wanted[s] for s in remap})
             self.map_builds += 1
-            # Cgroups that left the map (their process exited or moved) get one
-            # last reading, so their final throttling is not lost.
-            for s, cgs in old.items():
-                gone = cgs - self._quota_of.get(s, set())
-                if gone:
-                    retired[s] = gone
+            for s in remap:
+                self._mapped_services[s] = wanted[s]
+                old = self._quota_of.get(s, set())
+                new = found.get(s, set())
+                # Cgroups that left the map (their process exited or moved) get
+                # one last reading, so their final throttling is not lost.
+                if old - new:
+                    retired[s] = old - new
+                if new:
+                    self._quota_of[s] = new
+                else:
+                    self._quota_of.pop(s, None)
+        for s in [s for s in self._quota_of if s not in wanted]:
+            retired.setdefault(s, set()).update(self._quota_of.pop(s))
+            self._mapped_services.pop(s, None)
         readings: dict[_QuotaCgroup, int | None] = {}
         out: dict[str, float] = {}
         for services in (self._quota_of, retired):

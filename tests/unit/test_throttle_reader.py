@@ -81,3 +81,33 @@ def test_ledger_windows_and_totals() -> None:
     led.add(20.0, {})
     assert led.between(0.0, 20.0) == {}
     assert led.totals() == {"a": 0.75, "b": 1.0}
+
+
+def test_services_are_mapped_again_a_share_per_poll(tmp_path: Path, monkeypatch) -> None:
+    """Each service is mapped again within map_refresh_s, a share of them per
+    poll, rather than all of them in one poll; a new cgroup is mapped at once."""
+    v2 = tmp_path / "v2"
+    services = {}
+    for i in range(100):
+        d = _dir(v2, f"/s{i}")
+        (d / "cpu.max").write_text("50000 100000\n")
+        (d / "cpu.stat").write_text("usage_usec 1\nthrottled_usec 0\n")
+        services[f"s{i}"] = [f"/s{i}"]
+    now = [0.0]
+    r = ThrottleReader(CpuHierarchy(2, v2), v2, tmp_path / "proc", started_at=0.0, map_refresh_s=10,
+                       clock=lambda: now[0])
+    mapped: list[set[str]] = []
+    real = r._build_map
+    monkeypatch.setattr(r, "_build_map", lambda wanted: mapped.append(set(wanted)) or real(wanted))
+    r.poll(services)
+    assert mapped[-1] == set(services)           # the first poll maps every service
+    for _ in range(10):
+        now[0] += 1.0
+        r.poll(services)
+    assert [len(m) for m in mapped[1:]] == [10] * 10
+    assert set().union(*mapped[1:]) == set(services)
+    # A service with a new cgroup is mapped on the next poll, whatever its turn.
+    (_dir(v2, "/s5b") / "cpu.max").write_text("max 100000\n")
+    now[0] += 0.01
+    r.poll({**services, "s5": ["/s5", "/s5b"]})
+    assert "s5" in mapped[-1]
