@@ -11,7 +11,8 @@ with a quota above the v1 cpu cgroup of each of its processes
 
 That mapping costs a directory walk and a /proc read per process, so a
 service is mapped again only when it shows a cgroup it did not have, or once
-every `map_refresh_s` (a share of the services each poll); each interval then
+every `map_refresh_s` (60 s; a share of the services each poll, so a quota set
+later or a process moved between v1 cgroups is seen within a minute); each interval then
 reads one cpu.stat per quota cgroup and nothing else.
 Deltas are kept per interval for the retention window, like the store's.
 """
@@ -117,7 +118,7 @@ class ThrottleReader:
         v2_root: Path,
         proc_root: Path = Path("/proc"),
         *,
-        map_refresh_s: float = 10.0,
+        map_refresh_s: float = 60.0,
         started_at: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

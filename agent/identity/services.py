@@ -199,6 +199,7 @@ class ServiceResolver:
         self._lock = threading.Lock()
         self._cache: dict[int, _Entry] = {}
         self._seen: dict[str, Service] = {}
+        self._automatic: int | None = None   # automatic names in _seen; None: count again
         # Cached ids of removed cgroups are dropped this often; ids are never reused.
         self.sweep_s = max(60.0, refresh_s)
         self._swept_at = clock()
@@ -211,6 +212,7 @@ class ServiceResolver:
             self._rules = compiled
             self._rule_names = frozenset(c.rule.name for c in compiled)
             self._cache.clear()
+            self._automatic = None
 
     def service_of(self, cgid: int) -> str:
         """The service name of cgroup `cgid` ("unknown" for 0 or a vanished id)."""
@@ -263,6 +265,7 @@ class ServiceResolver:
                 if now - seen_at > self.retention_s:
                     del self._last_seen[name]
                     self._seen.pop(name, None)
+                    self._automatic = None
 
     def cgroups_by_service(self) -> dict[str, list[str]]:
         """Service -> paths of its cgroups resolved so far (cached, no I/O): what
@@ -359,7 +362,10 @@ class ServiceResolver:
             if service.name in self._seen:
                 self._last_seen[service.name] = now
                 return self._seen[service.name]
-            automatic = sum(1 for name in self._seen if name != OTHER and name not in self._rule_names)
+            # Counted once, not per call: past the cap every new cgroup asks.
+            if self._automatic is None:
+                self._automatic = sum(1 for name in self._seen if name != OTHER and name not in self._rule_names)
+            automatic = self._automatic
             room = self.max_services - 1 - len(self._rule_names)
             if service.source != "config" and automatic >= room:
                 service = Service(OTHER, "cgroup")
@@ -368,4 +374,5 @@ class ServiceResolver:
                     return self._seen[OTHER]
             self._seen[service.name] = service
             self._last_seen[service.name] = now
+            self._automatic = None
             return service
