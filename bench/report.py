@@ -134,7 +134,29 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def render(res: dict[str, Any]) -> str:
+def total_cost_table(res: dict[str, Any]) -> list[str]:
+    """The workloads' slowdown and added CPU time per context switch, beside
+    the programs' own time; the figure each target is judged on in bold."""
+    pinned = res["settings"].get("pinned")
+    rows = ["| workload | switches per run (no tool) | measure | slatrace: added ns / switch | "
+            "runqlat: added ns / switch | slatrace / runqlat |",
+            "|---|---:|---|---:|---:|---:|"]
+    for w, t in res["total_cost"].items():
+        label = f"{w} (pinned)" if w == "pipe" and pinned else w
+        alone = res["alone"]["summary"].get(w, {})
+        k = [(alone.get(tool) or {}).get("all_programs_ns_per_switch") for tool in ("slatrace", "runqlat")]
+        for kind, what in (("wall", "wall-clock slowdown"), ("cpu", "workload CPU time")):
+            added, ratio = t[kind]["added_ns_per_switch"], _ratio(t[kind]["ratio"])
+            if kind == t["judged"]:
+                ratio = f"**{ratio}**"
+            rows.append(f"| {label} | {t['switches']:.0f} | {what} | {_ns(added['slatrace'])} | "
+                        f"{_ns(added['runqlat'])} | {ratio} |")
+        ratio = _ratio(k[0] / k[1] if k[0] and k[1] else None)
+        rows.append(f"| {label} | | BPF programs' own time | {_ns(k[0])} | {_ns(k[1])} | {ratio} |")
+    return rows
+
+
+def render(res: dict[str, Any], image: str | None = None) -> str:
     m = res["machine"]
     st = res["settings"]
     out = [
@@ -167,6 +189,20 @@ def render(res: dict[str, Any]) -> str:
         out.append(f"| {config} | {_num(h['median'])} | {_num(h['min'])}–{_num(h['max'])} | {_ratio(h['ratio'])} | "
                    f"{_num(p['median'], '{:.2f}')} | {_num(p['min'], '{:.2f}')}–{_num(p['max'], '{:.2f}')} | "
                    f"{_ratio(p['ratio'])} |")
+
+    layout = (f"perf bench sched pipe pinned to CPU 1, each tool's processes to CPU {st.get('tool_cpu')}"
+              if st.get("pinned") else "nothing pinned")
+    out += ["", "### Total cost: the workload's slowdown per context switch", "",
+            f"Median run with the tool minus median run with none, over the context switches a run with none "
+            f"makes (/proc/stat); {layout}. Wall clock: on the pinned pipe (one CPU, one task at a time) that is "
+            "the cost of one switch, the figure its target is judged on. CPU time: the user + system time of all "
+            "the workload's processes, what the tool made the traced tasks pay on every CPU; hackbench's wall "
+            "time on this VM moves by more than the tools cost, so its target is judged on CPU time. The "
+            "programs' own time per switch (kernel BPF stats, the rounds with one tool) is the third line; the "
+            "rest is what the kernel pays around the program (tracepoint, record set-up).", ""]
+    out += total_cost_table(res)
+    if image:
+        out += ["", f"![cost per switch]({image})"]
 
     a = res["slatrace"]
     out += ["", "### slatrace agent (median of rounds; min–max)", "", "| measure | median | min–max |",

@@ -83,6 +83,12 @@ def run_bounded(cmd: list[str], timeout: float) -> Finished:
     return Finished(proc.returncode, out.decode(errors="replace"), time.monotonic() - t0)
 
 
+def pinned(cpu: int | None) -> list[str]:
+    """A command prefix that keeps a process and all its threads on one CPU
+    (taskset execs the command: the pid stays the tool's)."""
+    return [] if cpu is None else ["taskset", "-c", str(cpu)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -143,12 +149,12 @@ class Slatrace(Tool):
         self.port = port
 
     @classmethod
-    def start(cls, log: Path) -> "Slatrace":
+    def start(cls, log: Path, cpu: int | None = None) -> "Slatrace":
         exe = Path(sys.executable).parent / "slatrace"
         if not exe.exists():
             raise RuntimeError(f"{exe} is missing: run 'make setup' to install slatrace into the venv")
         port = free_port()
-        cmd = [str(exe), "run", "--listen", f"127.0.0.1:{port}",
+        cmd = [*pinned(cpu), str(exe), "run", "--listen", f"127.0.0.1:{port}",
                "--otlp-grpc-listen", "off", "--otlp-http-listen", "off"]
         t0 = time.monotonic()
         return cls(spawn(cmd, log), log, t0, port)
@@ -206,10 +212,10 @@ class Runqlat(Tool):
     stop_signal = signal.SIGINT
 
     @classmethod
-    def start(cls, log: Path) -> "Runqlat":
+    def start(cls, log: Path, cpu: int | None = None) -> "Runqlat":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
-        return cls(spawn([RUNQLAT], log, env), log, t0)
+        return cls(spawn([*pinned(cpu), RUNQLAT], log, env), log, t0)
 
     def wait_ready(self, timeout: float = 60.0) -> float:
         deadline = self.t_spawn + timeout

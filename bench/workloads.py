@@ -2,13 +2,17 @@
 
 hackbench (rt-tests) is many-to-many messaging between process groups: lots of
 wakeups and switches across both CPUs. `perf bench sched pipe` is two tasks
-ping-ponging a pipe: the switch path at its hottest. Both print their own
-timing, which is what the throughput comparison uses.
+ping-ponging a pipe: the switch path at its hottest, two context switches per
+operation. Pinned to one CPU (taskset), with the tools pinned to another, every
+switch the pipe makes runs the tools' programs on that CPU and nothing else
+competes with it, so the slowdown per operation is the cost per switch. Both
+print their own timing, which is what the throughput comparison uses.
 """
 
 from __future__ import annotations
 
 import re
+import resource
 from dataclasses import dataclass
 
 from bench.tools import run_bounded
@@ -21,20 +25,40 @@ class Workload:
     name: str
     unit: str           # of the result; smaller is better for both
     cmd: tuple[str, ...]
+    ns_per_unit: float  # the result times this is the run's whole duration in ns
 
     def run(self) -> float:
+        return self.run_timed()[0]
+
+    def run_timed(self) -> tuple[float, float]:
+        """The workload's own result, and the CPU seconds (user + system) it
+        and all its processes used: what a tracing tool adds inside the
+        traced tasks' context shows there, whatever the CPUs did meanwhile."""
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = run_bounded(list(self.cmd), TIMEOUT)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(self.cmd)} exited with {res.returncode}: {res.output[-500:]}")
-        return parse(self.name, res.output)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        return parse(self.name, res.output), cpu
 
 
 def hackbench(groups: int, loops: int) -> Workload:
-    return Workload("hackbench", "s", ("hackbench", "-g", str(groups), "-l", str(loops)))
+    return Workload("hackbench", "s", ("hackbench", "-g", str(groups), "-l", str(loops)), 1e9)
 
 
-def pipe(loops: int) -> Workload:
-    return Workload("pipe", "usecs/op", ("perf", "bench", "sched", "pipe", "-l", str(loops)))
+def pipe(loops: int, cpu: int | None = None) -> Workload:
+    pin = ("taskset", "-c", str(cpu)) if cpu is not None else ()
+    return Workload("pipe", "usecs/op", (*pin, "perf", "bench", "sched", "pipe", "-l", str(loops)), loops * 1e3)
+
+
+def context_switches() -> int:
+    """Context switches of the whole host since boot (/proc/stat ctxt)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("ctxt "):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/stat has no ctxt line")
 
 
 _HACKBENCH = re.compile(r"^Time:\s*([0-9.]+)\s*$", re.M)

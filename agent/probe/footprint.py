@@ -1,17 +1,22 @@
-"""Hands the BPF compiler's memory back once the programs are attached.
+"""Hands the start-up's memory back once the programs are attached.
 
 BCC compiles in-process with clang/LLVM. After the compile the agent never
 runs that code again, yet it stays resident: the pages of libLLVM and
 libclang-cpp that the compile touched (file pages, ~80 MiB) and the heap the
-compiler freed but malloc kept (~25 MiB). Both are returned here, once, right
-after attach:
+compiler freed but malloc kept (~25 MiB). Start-up also touches pages of
+libraries the agent then hardly uses (the TLS library prometheus_client's
+import pulls in, numpy's OpenBLAS, most of libbcc): ~12 MiB more. All of it is
+returned here, once, right after attach:
 
 - malloc_trim(0) gives the free heap back to the kernel;
-- madvise(MADV_PAGEOUT) over the compiler's file mappings drops their resident
-  pages. They stay mapped, so a later call into them (a second compile, the
-  libraries' destructors at exit) faults them back in from the page cache or
-  the disk: slower, never wrong. The kernel skips pages another process also
-  maps, so the saving shows only where the agent is their sole user.
+- madvise(MADV_PAGEOUT) over the compiler's file mappings, then over every
+  other shared library's, drops their resident pages. They stay mapped, so
+  what the agent does use faults back in from the page cache on first use
+  (a minor fault, once: the steady working set is what stays resident), and a
+  later call into the compiler (a second compile, the destructors at exit)
+  faults its pages back in: slower, never wrong. The kernel skips pages
+  another process also maps, so the saving shows only where the agent is
+  their sole user.
 
 Nothing here is required for correctness: each step that the kernel or libc
 refuses is skipped and reported.
@@ -32,6 +37,8 @@ MADV_PAGEOUT = 21  # linux/mman.h, kernel >= 5.4
 # libLLVM and libclang-cpp dynamically); libbcc itself keeps running (map
 # reads, the ring buffer) and is left alone.
 COMPILER_LIBRARIES = re.compile(r"/lib(LLVM|clang-cpp|clang)[-.][^/]*\.so[^/]*$")
+# Every other shared object (lib*.so.N, a Python extension's .so).
+SHARED_LIBRARIES = re.compile(r"\.so(\.[0-9]+)*$")
 
 
 @dataclass(frozen=True)
@@ -39,22 +46,27 @@ class Released:
     """What release_compiler_memory() did, for the start-up log."""
 
     trimmed: bool          # malloc_trim(0) released something
-    paged_out_bytes: int   # size of the ranges advised (mapped, not necessarily resident)
+    paged_out_bytes: int   # size of the compiler's ranges advised (mapped, not necessarily resident)
     ranges: int
     error: str | None = None
+    library_bytes: int = 0  # size of the other shared libraries' ranges advised
+    library_ranges: int = 0
 
     def describe(self) -> str:
         text = (f"heap trimmed: {'yes' if self.trimmed else 'no'}; compiler mappings paged out: "
-                f"{self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB mapped")
+                f"{self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB mapped; other shared libraries: "
+                f"{self.library_ranges} ranges, {self.library_bytes / 2**20:.0f} MiB mapped")
         return text + (f" ({self.error})" if self.error else "")
 
 
-def compiler_ranges(maps_text: str, pattern: re.Pattern[str] = COMPILER_LIBRARIES) -> list[tuple[int, int]]:
-    """(start, end) of every mapping of /proc/PID/maps whose file matches pattern."""
+def compiler_ranges(maps_text: str, pattern: re.Pattern[str] = COMPILER_LIBRARIES,
+                    but: re.Pattern[str] | None = None) -> list[tuple[int, int]]:
+    """(start, end) of every mapping of /proc/PID/maps whose file matches
+    pattern (and not `but`)."""
     out = []
     for line in maps_text.splitlines():
         fields = line.split(None, 5)
-        if len(fields) < 6 or not pattern.search(fields[5]):
+        if len(fields) < 6 or not pattern.search(fields[5]) or (but is not None and but.search(fields[5])):
             continue
         start, _, end = fields[0].partition("-")
         out.append((int(start, 16), int(end, 16)))
@@ -88,12 +100,19 @@ def page_out(ranges: list[tuple[int, int]], libc: ctypes.CDLL | None = None) -> 
     return done, error
 
 
+def library_ranges(maps_text: str) -> list[tuple[int, int]]:
+    """The shared libraries' mappings other than the compiler's."""
+    return compiler_ranges(maps_text, SHARED_LIBRARIES, but=COMPILER_LIBRARIES)
+
+
 def release_compiler_memory(maps: Path = Path("/proc/self/maps")) -> Released:
     libc = _libc()
     trimmed = trim_heap(libc)
     try:
-        ranges = compiler_ranges(maps.read_text())
+        text = maps.read_text()
     except OSError as e:
         return Released(trimmed, 0, 0, f"cannot read {maps}: {e.strerror}")
+    ranges, others = compiler_ranges(text), library_ranges(text)
     advised, error = page_out(ranges, libc)
-    return Released(trimmed, advised, len(ranges), error)
+    library_bytes, library_error = page_out(others, libc)
+    return Released(trimmed, advised, len(ranges), error or library_error, library_bytes, len(others))

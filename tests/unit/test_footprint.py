@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.probe.footprint import Released, compiler_ranges
+from agent.probe.footprint import Released, compiler_ranges, library_ranges
 
 # /proc/PID/maps lines as a Debian 12 agent shows them after BCC compiled.
 MAPS = """\
@@ -26,13 +26,25 @@ def test_only_the_compiler_libraries_are_chosen() -> None:
     ]
 
 
+def test_every_other_shared_library_is_chosen_apart() -> None:
+    """Start-up touched them; what the agent uses faults back in."""
+    assert library_ranges(MAPS) == [
+        (0x7F2A28000000, 0x7F2A28100000),   # libbcc
+        (0x7F2A29000000, 0x7F2A29100000),   # libclang_rt (not the compiler)
+        (0x7F2A2B000000, 0x7F2A2B001000),
+    ]
+    assert not set(library_ranges(MAPS)) & set(compiler_ranges(MAPS))
+
+
 def test_nothing_to_page_out_without_bcc() -> None:
     assert compiler_ranges("") == []
     assert compiler_ranges("7f2a2a000000-7f2a2a001000 rw-p 00000000 00:00 0\n") == []
 
 
 def test_description_names_what_was_done() -> None:
-    text = Released(trimmed=True, paged_out_bytes=161 << 20, ranges=7).describe()
-    assert text == "heap trimmed: yes; compiler mappings paged out: 7 ranges, 161 MiB mapped"
+    text = Released(trimmed=True, paged_out_bytes=161 << 20, ranges=7, library_bytes=90 << 20,
+                    library_ranges=120).describe()
+    assert text == ("heap trimmed: yes; compiler mappings paged out: 7 ranges, 161 MiB mapped; "
+                    "other shared libraries: 120 ranges, 90 MiB mapped")
     assert Released(False, 0, 0, "madvise(MADV_PAGEOUT): Invalid argument").describe().endswith(
         "(madvise(MADV_PAGEOUT): Invalid argument)")
