@@ -177,7 +177,6 @@ class Daemon:
             raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
                                "to see which prerequisite is missing") from None
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
-        self._release_compiler_memory()
         self._bpf_stats.start()
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()
@@ -193,6 +192,8 @@ class Daemon:
             self._otlp_metrics.start()
         self._drain_thread.start()
         self._start_traces(cgroups)
+        # Last of the start-up: the receivers' libraries (gRPC) are loaded by now.
+        self._release_compiler_memory()
         self._collect_first_interval()
 
     def _collect_first_interval(self) -> None:

@@ -136,18 +136,15 @@ def cost(res: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.2
     for i, tool in enumerate(tools):
-        total = [_ns(res["total_cost"][w][res["total_cost"][w]["judged"]]["added_ns_per_switch"][tool])
-                 for w in workloads]
+        total = [_ns(res["total_cost"][w]["wall"]["added_ns_per_switch"][tool]) for w in workloads]
         prog = [_ns((res["alone"]["summary"].get(w, {}).get(tool) or {}).get("all_programs_ns_per_switch"))
                 for w in workloads]
         xs = [k + (i - 0.5) * 2 * width for k in range(len(workloads))]
-        ax.bar([x - width / 2 for x in xs], total, width, label=f"{tool}: added to the workload per switch",
+        ax.bar([x - width / 2 for x in xs], total, width, label=f"{tool}: the workload's slowdown per switch",
                color=f"C{i}")
         ax.bar([x + width / 2 for x in xs], prog, width, label=f"{tool}: BPF programs' own time",
                color=f"C{i}", alpha=0.45, hatch="//")
-    labels = [(f"{w} (pinned), wall clock" if w == "pipe" and res["settings"].get("pinned") else w)
-              if res["total_cost"][w]["judged"] == "wall" else f"{w}, CPU time" for w in workloads]
-    ax.set_xticks(range(len(workloads)), labels)
+    ax.set_xticks(range(len(workloads)), workloads)
     ax.set_ylabel("ns per context switch")
     ax.set_title(f"Added cost per context switch ({res['machine']['date'][:10]}, median of "
                  f"{res['settings']['rounds_done']} rounds)")
