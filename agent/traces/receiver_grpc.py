@@ -7,11 +7,22 @@ grpcio enforces its message size limit (RESOURCE_EXHAUSTED) after it has
 inflated a compressed message, so a gzip bomb stops there too; that limit is
 set above the agent's own, which the handler checks so that every refusal up
 to GRPC_MAX_MESSAGE is counted.
+
+Export is served as a stream-unary method (the same frames on the wire as the
+exporters' unary call): the handler then runs as soon as the call starts and
+reads the one message itself, so a message grpcio refuses (above
+GRPC_MAX_MESSAGE) or a client that cancels before sending reaches the handler
+as a broken stream and is counted too, rather than vanishing inside grpcio.
+The worker pool is bounded and so is the queue in front of it
+(maximum_concurrent_rpcs): past it grpcio answers RESOURCE_EXHAUSTED at once,
+which OTLP exporters retry, instead of queueing calls without end; those
+refusals are counted by an interceptor.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -38,8 +49,17 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
         self._limits = limits
         self.local_port: int | None = None  # the port served, once bound: half of each connection's key
 
-    def Export(self, request: bytes, context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
+    def Export(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
         try:
+            request = next(requests, None)
+        except grpc.RpcError:
+            # grpcio refused the message (larger than its limit) or the client
+            # cancelled before sending it: the call is over already.
+            self._counters.add_rejected("grpc", "not_received")
+            return ExportTraceServiceResponse()
+        try:
+            if request is None:
+                raise DecodeError(400, "the call carried no ExportTraceServiceRequest message")
             if len(request) > self._limits.max_body_bytes:
                 raise DecodeError(413, f"the message has {len(request)} bytes, more than the limit of "
                                        f"{self._limits.max_body_bytes}; send smaller batches")
@@ -62,18 +82,44 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
         return ExportTraceServiceResponse()
 
 
+class _CountQueueFull(grpc.ServerInterceptor):
+    """Counts the calls grpcio turns away because maximum_concurrent_rpcs
+    calls are already running or queued. grpcio decides that under its server
+    lock just before it asks the interceptors, and refuses without calling a
+    handler; the interceptor, under the same lock, reads the same two numbers
+    from the server's state. grpcio has no public hook for this: if a later
+    grpcio renames them, nothing is counted (tests/unit/test_receivers.py
+    fails on the pinned version rather than silently)."""
+
+    def __init__(self, counters: TraceCounters) -> None:
+        self._counters = counters
+        self.server: grpc.Server | None = None
+
+    def intercept_service(self, continuation, handler_call_details):
+        state = getattr(self.server, "_state", None)
+        limit = getattr(state, "maximum_concurrent_rpcs", None)
+        if limit is not None and getattr(state, "active_rpc_count", 0) >= limit:
+            self._counters.add_rejected("grpc", "queue_full")
+        return continuation(handler_call_details)
+
+
 class GrpcReceiver:
     def __init__(self, host: str, port: int, pipeline: RequestPipeline, counters: TraceCounters,
-                 limits: Limits = Limits(), workers: int = 4) -> None:
+                 limits: Limits = Limits(), workers: int = 4, max_queued: int = 64) -> None:
         handler = TraceServiceHandler(pipeline, counters, limits)
+        queue_full = _CountQueueFull(counters)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otlp-grpc"),
-            # grpcio's own refusal of a larger message is not seen (nor counted) by the
-            # handler: let messages up to GRPC_MAX_MESSAGE through to be judged there.
+            # grpcio's own refusal of a larger message reaches the handler only as a
+            # broken stream: let messages up to GRPC_MAX_MESSAGE through to be judged there.
             options=[("grpc.max_receive_message_length", max(limits.max_body_bytes, GRPC_MAX_MESSAGE)),
                      ("grpc.so_reuseport", 0)],
+            # Calls running or waiting for a worker; beyond, RESOURCE_EXHAUSTED at once.
+            maximum_concurrent_rpcs=workers + max_queued,
+            interceptors=(queue_full,),
         )
-        rpc = grpc.unary_unary_rpc_method_handler(
+        queue_full.server = self._server
+        rpc = grpc.stream_unary_rpc_method_handler(
             handler.Export,
             request_deserializer=None,  # raw bytes: decoded (and judged) by the handler
             response_serializer=ExportTraceServiceResponse.SerializeToString,

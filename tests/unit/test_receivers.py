@@ -35,7 +35,7 @@ from agent.traces.identity import SpanOrigin, SpanServices, cgroup_v2_path
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits, decode_json
 from agent.traces.pipeline import RequestPipeline
-from agent.traces.receiver_grpc import SERVICE, GrpcReceiver
+from agent.traces.receiver_grpc import GRPC_MAX_MESSAGE, SERVICE, GrpcReceiver
 from agent.traces.receiver_http import HttpReceiver
 from agent.traces.request_store import RequestStore
 from agent.traces.spans import attributes, iter_spans
@@ -246,6 +246,56 @@ def test_grpc_malformed_and_oversized_messages(traces):
         good = decode_json((FIXTURES / "vllm_llm_request_v1.json").read_bytes()).SerializeToString()
         assert export(good, timeout=5) == b""   # an empty ExportTraceServiceResponse
     assert counters.rejected[("grpc", "malformed")] == 1
+
+
+def test_grpcio_s_own_refusal_of_a_huge_message_is_counted(traces):
+    """Above GRPC_MAX_MESSAGE grpcio refuses the message itself; the handler,
+    which reads the stream, still sees the call and counts it."""
+    _, _, _, counters, grpc_rx, _ = traces
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_rx.port}") as channel:
+        export = channel.unary_unary(f"/{SERVICE}/Export", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            export(b"\x0a" + b"\x00" * (GRPC_MAX_MESSAGE + 1024), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        wait_for(lambda: counters.rejected.get(("grpc", "not_received")) == 1)
+        good = decode_json((FIXTURES / "vllm_llm_request_v1.json").read_bytes()).SerializeToString()
+        assert export(good, timeout=5) == b""   # and it keeps serving
+    assert counters.rejected.get(("grpc", "not_received")) == 1
+    assert ("grpc", "too_large") not in counters.rejected
+
+
+def test_grpc_queue_is_bounded_and_its_refusals_are_counted(traces):
+    """One worker and one queued call: a third call is refused at once with
+    RESOURCE_EXHAUSTED (retryable for OTLP exporters) and counted; once the
+    first two finish, calls are served again."""
+    _, pipeline, _, counters, _, _ = traces
+    rx = GrpcReceiver("127.0.0.1", 0, pipeline, counters, workers=1, max_queued=1)
+    rx.start()
+    release = threading.Event()
+    good = decode_json((FIXTURES / "vllm_llm_request_v1.json").read_bytes()).SerializeToString()
+
+    def held():   # a client that opens its call and sends its message only when released
+        release.wait(30)
+        yield good
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{rx.port}") as channel:
+            stream = channel.stream_unary(f"/{SERVICE}/Export", request_serializer=None,
+                                          response_deserializer=None)
+            unary = channel.unary_unary(f"/{SERVICE}/Export", request_serializer=None, response_deserializer=None)
+            pending = [stream.future(held(), timeout=30) for _ in range(2)]
+            time.sleep(0.5)   # both admitted: one running, one queued
+            with pytest.raises(grpc.RpcError) as e:
+                unary(good, timeout=5)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert counters.rejected.get(("grpc", "queue_full")) == 1
+            release.set()
+            assert [f.result(timeout=30) for f in pending] == [b"", b""]
+            assert unary(good, timeout=5) == b""
+    finally:
+        release.set()
+        rx.stop()
+    assert counters.rejected.get(("grpc", "queue_full")) == 1
 
 
 def test_request_breaches_and_delay_reach_the_main_collector(traces):
