@@ -23,7 +23,7 @@ from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
-from agent.export.figures import HistogramPoint, Sources, summed
+from agent.export.figures import AgentStats, HistogramPoint, Sources, summed
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
@@ -51,6 +51,8 @@ EVENT_DRAIN_S = 0.1
 # shorter), so /readyz turns 200 without waiting a whole interval; the store
 # keeps each interval's real start and end, so a short first one is exact.
 FIRST_INTERVAL_S = 0.1
+# This many failed collections in a row make /livez answer 503.
+FAILED_POLLS_UNHEALTHY = 10
 
 
 def seccomp_hint(status_text: str | None = None) -> str:
@@ -106,7 +108,8 @@ class Daemon:
                                 breaches_between=self.breaches.between)
         # One family per metric name: request SLO breaches (counted by the
         # traces subsystem) are added to interval breaches here.
-        self._collector = SlatraceCollector(self.store, self._self_metrics, sources=Sources(
+        self._collector = SlatraceCollector(self.store, sources=Sources(
+            agent_stats=self._agent_stats,
             slos=config.slos, bounds=classic_bounds(config.buckets_per_octave),
             histograms=config.histogram_globs(),
             throttled_seconds=self.throttle.totals,
@@ -143,12 +146,8 @@ class Daemon:
     def _describe_services(self) -> list[dict]:
         return self._resolver.describe() if self._resolver else []
 
-    def _self_metrics(self) -> dict[str, float]:
-        return {
-            "slatrace_poll_duration_seconds": self.poll_seconds,
-            "slatrace_services_tracked": float(len(self.store.services())),
-            "slatrace_intervals_collected": float(self.polls),
-        }
+    def _agent_stats(self) -> AgentStats:
+        return AgentStats(poll_duration_seconds=self.poll_seconds, poll_errors=self.poll_errors)
 
     def start(self) -> None:
         try:
@@ -293,11 +292,14 @@ class Daemon:
     def loop(self) -> None:
         interval = self.config.interval
         deadline = time.monotonic() + interval
+        health = CollectionHealth(self.state)
         while not self.stop_event.wait(max(0.0, deadline - time.monotonic())):
             try:
                 self.poll_once()
-            except Exception:
+                health.succeeded()
+            except Exception as e:
                 self.poll_errors += 1
+                health.failed(e)
                 log.exception("collecting an interval failed; the next interval will retry")
             deadline += interval
             if deadline < time.monotonic():  # fell behind (suspend, overload): skip, don't burst
@@ -322,6 +324,27 @@ class Daemon:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+class CollectionHealth:
+    """Sets AgentState.failure, which turns /livez to 503, while collections
+    keep failing. One failed interval is retried (its counts are carried over
+    into the next); FAILED_POLLS_UNHEALTHY in a row mean the agent no longer
+    collects, and a kubelet should restart it. A success clears it."""
+
+    def __init__(self, state: AgentState, limit: int = FAILED_POLLS_UNHEALTHY) -> None:
+        self.state = state
+        self.limit = limit
+        self.in_a_row = 0
+
+    def succeeded(self) -> None:
+        self.in_a_row = 0
+        self.state.failure = None
+
+    def failed(self, error: BaseException) -> None:
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            self.state.failure = f"the last {self.in_a_row} collections failed ({type(error).__name__}: {error})"
 
 
 class UnknownSloWarnings:

@@ -18,6 +18,7 @@ import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -25,12 +26,14 @@ sys.path.insert(0, str(REPO))
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from agent.api.server import ServerCollector, ServerStats  # noqa: E402
 from agent.config import Slo  # noqa: E402
 from agent.export.figures import (  # noqa: E402
     CATALOG,
     QUANTILE_WINDOW_S,
     SERIES_PER_SERVICE,
     TOP_CULPRITS,
+    AgentStats,
     Sources,
     histogram_point,
 )
@@ -67,7 +70,7 @@ def synthetic_store() -> tuple[Store, Sources]:
         throttled_seconds=lambda: {"batch": 0.2},
         slo_breaches=lambda: {("api", "runq_p99"): 1},
         request_sched_delay=lambda: {"api": Histogram.from_ns([30_000, 2_500_000])},
-        agent_stats=lambda: {"slatrace_poll_duration_seconds": 0.003, "slatrace_poll_errors": 0},
+        agent_stats=lambda: AgentStats(poll_duration_seconds=0.003, poll_errors=0),
     )
     return store, sources
 
@@ -91,6 +94,13 @@ def trace_scrape_text() -> str:
     counters.add_forward_dropped("queue_full", 1)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(TraceCollector(counters))
+    return generate_latest(registry).decode()
+
+
+def server_scrape_text() -> str:
+    """The HTTP servers' own families (API and OTLP/HTTP), every label filled once."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(ServerCollector(SimpleNamespace(name="http", stats=ServerStats())))
     return generate_latest(registry).decode()
 
 
@@ -188,13 +198,24 @@ def render() -> str:
         "",
         "Exposed beside the above by the trace side (request spans in, attributed requests out).",
         "A request span is attributed to the service of whoever sent it, found from the",
-        "connection (SPEC.md); `slatrace_otlp_spans_unresolved_total` counts the spans that",
+        "connection (README.md); `slatrace_otlp_spans_unresolved_total` counts the spans that",
         "could not be, and the agent logs one warning per reason every few minutes naming the fix.",
         "",
         "| metric | type | labels | help |",
         "|---|---|---|---|",
     ]
     out += [_family_row(f) for f in text_string_to_metric_families(trace_scrape_text())]
+    out += [
+        "",
+        "## HTTP servers",
+        "",
+        "The API server and the OTLP/HTTP receiver count their connections (`server` is `http` or",
+        "`otlp-http`); RELIABILITY.md has the attacks these outcomes were built for.",
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    out += [_family_row(f) for f in text_string_to_metric_families(server_scrape_text())]
     out += [
         "",
         "Sources: `store` is computed from the BPF maps through the store; `config slos` needs",

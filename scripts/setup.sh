@@ -134,6 +134,18 @@ setup_host() {
         rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log \
             /usr/share/doc /usr/share/man /usr/share/info
         find /usr/share/locale -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {} +
+        # glibc's iconv character-set modules (~9 MB): Python decodes with its
+        # own codecs and nothing else the agent runs converts through glibc.
+        find /usr/lib -maxdepth 2 -type d -name gconv -prune -exec rm -rf {} +
+        # Debian's Python modules as bytecode only (~13 MB of sources): the
+        # image never edits them, and imports find the .pyc where the .py was.
+        local stdlib
+        stdlib=$(/usr/bin/python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+        /usr/bin/python3 -m compileall -q -b -j 0 "$stdlib" /usr/lib/python3/dist-packages >/dev/null || true
+        find "$stdlib" /usr/lib/python3/dist-packages -name '*.py' -delete
+        find "$stdlib" /usr/lib/python3/dist-packages -name __pycache__ -type d -prune -exec rm -rf {} +
+        /usr/bin/python3 -c "import asyncio, json, ssl, venv, ensurepip, bcc" \
+            || die "Debian's Python no longer imports as bytecode only"
         return 0
     fi
 
@@ -237,19 +249,27 @@ setup_deps() {
         rm -rf "$k8s/aio"
         "$venv/bin/pip" uninstall -q -y aiohttp aiohttp-retry aiohappyeyeballs aiosignal frozenlist \
             multidict propcache yarl attrs >/dev/null
-        # The client's 34 MB of generated sources, kept as bytecode only (next
-        # to where the sources were, so they still import; the agent imports the
-        # whole client at start-up, so bytecode it must have).
-        "$venv/bin/python" -m compileall -q -b -j 0 "$k8s" >/dev/null
-        find "$k8s" -name '*.py' -delete
-        find "$k8s" -name __pycache__ -type d -prune -exec rm -rf {} +
-        "$venv/bin/python" -c "import kubernetes.client, kubernetes.watch, kubernetes.config
-kubernetes.client.ApiClient().sanitize_for_serialization(kubernetes.client.V1Pod(metadata=kubernetes.client.V1ObjectMeta(name='p')))" \
-            || die "the kubernetes client no longer imports without its sources and asyncio part"
+        # rich draws the CLI's tables without pygments (syntax highlighting)
+        # or markdown-it (Markdown rendering): ~11 MB the image never runs.
+        "$venv/bin/pip" uninstall -q -y pygments markdown-it-py mdurl >/dev/null
         "$venv/bin/pip" uninstall -q -y pip setuptools wheel >/dev/null
         # The packages' own test suites and type stubs (numpy's alone are ~20 MB).
-        find "$venv"/lib/python3*/site-packages -type d -name tests -prune -exec rm -rf {} +
-        find "$venv"/lib/python3*/site-packages -name '*.pyi' -delete
+        local site
+        site=$(echo "$venv"/lib/python3*/site-packages)
+        find "$site" -type d -name tests -prune -exec rm -rf {} +
+        find "$site" -name '*.pyi' -delete
+        # Every package as bytecode only, next to where its sources were, so it
+        # still imports: pip left each module twice (source and __pycache__),
+        # the kubernetes client alone has 34 MB of generated sources, and the
+        # image never edits them (PYTHONDONTWRITEBYTECODE keeps it that way).
+        "$venv/bin/python" -m compileall -q -b -j 0 "$site" >/dev/null
+        find "$site" -name '*.py' -delete
+        find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
+        "$venv/bin/python" -c "import numpy, grpc, yaml, prometheus_client, psutil, rich.console, rich.table
+import opentelemetry.sdk.trace, opentelemetry.exporter.otlp.proto.grpc.trace_exporter
+import kubernetes.client, kubernetes.watch, kubernetes.config
+kubernetes.client.ApiClient().sanitize_for_serialization(kubernetes.client.V1Pod(metadata=kubernetes.client.V1ObjectMeta(name='p')))" \
+            || die "the venv no longer imports as bytecode only, without its test suites and asyncio part"
     fi
     check_bcc
 }

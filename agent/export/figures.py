@@ -113,6 +113,14 @@ class Family:
 
 
 @dataclass(frozen=True)
+class AgentStats:
+    """The collection loop's own figures, as the daemon keeps them."""
+
+    poll_duration_seconds: float   # the last collection: map reads and the store's interval
+    poll_errors: int               # collections that failed since start (retried next interval)
+
+
+@dataclass(frozen=True)
 class Sources:
     """What the store does not hold; each hook returns cumulative figures.
 
@@ -126,8 +134,7 @@ class Sources:
       and whose every culprit is exported; any other service's histograms are
       exported as _sum, _count and the +Inf bucket only, and its top culprits
       (the series budget).
-    agent_stats: self-metrics of the daemon's loop, by metric name
-      (slatrace_poll_duration_seconds, slatrace_poll_errors).
+    agent_stats: the daemon's view of its own collection loop (AgentStats).
     """
 
     slos: tuple[Slo, ...] = ()
@@ -138,7 +145,7 @@ class Sources:
     request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
     # (service, request SLO) -> (target, value judged over the last minute or None, ok)
     request_slos: Callable[[], Mapping[tuple[str, str], tuple[float, float | None, bool]]] | None = None
-    agent_stats: Callable[[], Mapping[str, float]] | None = None
+    agent_stats: Callable[[], AgentStats] | None = None
 
 
 def _spec(name: str, type_: MetricType, help_: str, labels: tuple[str, ...], unit: str = "",
@@ -222,8 +229,6 @@ CATALOG: tuple[MetricSpec, ...] = (
     SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
     MAP_ERRORS, POLL_DURATION, POLL_ERRORS, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
 )
-# Daemon stats that have a spec of their own; other keys are not exported.
-AGENT_STATS = {POLL_DURATION.name: POLL_DURATION, POLL_ERRORS.name: POLL_ERRORS}
 
 
 def summed(*hooks: Callable[[], Mapping[tuple[str, str], int]]) -> Callable[[], dict[tuple[str, str], int]]:
@@ -413,10 +418,10 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     for name, n in sorted(errors.items()):
         points[MAP_ERRORS.name].append(Point((name,), n))
 
-    stats = sources.agent_stats() if sources.agent_stats is not None else {}
-    for name, spec in AGENT_STATS.items():
-        if name in stats:
-            points[spec.name].append(Point((), float(stats[name])))
+    if sources.agent_stats is not None:
+        stats = sources.agent_stats()
+        points[POLL_DURATION.name].append(Point((), stats.poll_duration_seconds))
+        points[POLL_ERRORS.name].append(Point((), float(stats.poll_errors)))
     points[SERVICES_TRACKED.name].append(Point((), float(len(services))))
     points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
     points[BUILD_INFO.name].append(Point((__version__,), 1.0))

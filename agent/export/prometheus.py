@@ -9,7 +9,7 @@ start, gauges from its recent window.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import generate_latest
 from prometheus_client.core import (
@@ -152,18 +152,13 @@ class Registry(CollectorRegistry):
 class SlatraceCollector(Collector):
     """Every metric of the catalog, computed afresh at each scrape.
 
-    self_metrics is the daemon's view of its own loop (poll duration, poll
-    errors), keyed by metric name; sources carries what the store does not
-    hold (SLO config, throttling, breach counts, request delays).
+    sources carries what the store does not hold (the daemon's own loop
+    figures, SLO config, throttling, breach counts, request delays).
     """
 
-    def __init__(self, store: Store, self_metrics: Callable[[], Mapping[str, float]] | None = None,
-                 *, sources: Sources | None = None) -> None:
+    def __init__(self, store: Store, *, sources: Sources | None = None) -> None:
         self._store = store
-        sources = sources or Sources()
-        if sources.agent_stats is None and self_metrics is not None:
-            sources = dataclasses.replace(sources, agent_stats=self_metrics)
-        self._sources = sources
+        self._sources = sources or Sources()
 
     def update_sources(self, **changes) -> None:
         """Replace some sources (the SLOs after a config reload)."""

@@ -53,13 +53,14 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
         try:
             request = next(requests, None)
         except grpc.RpcError:
-            # grpcio refused the message (larger than its limit) or the client
-            # cancelled before sending it: the call is over already.
+            request = None
+        if request is None:
+            # grpcio refused the message (larger than its limit; the stream then
+            # ends or is cancelled, whichever it sees first) or the client sent
+            # none: the call is over already, or this ends it.
             self._counters.add_rejected("grpc", "not_received")
-            return ExportTraceServiceResponse()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no ExportTraceServiceRequest message arrived")
         try:
-            if request is None:
-                raise DecodeError(400, "the call carried no ExportTraceServiceRequest message")
             if len(request) > self._limits.max_body_bytes:
                 raise DecodeError(413, f"the message has {len(request)} bytes, more than the limit of "
                                        f"{self._limits.max_body_bytes}; send smaller batches")

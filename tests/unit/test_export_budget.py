@@ -12,7 +12,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config, ServiceRule, Slo
-from agent.export.figures import SERIES_PER_SERVICE, TOP_CULPRITS, Sources, exported_culprits, top_culprits
+from agent.export.figures import (
+    SERIES_PER_SERVICE,
+    TOP_CULPRITS,
+    AgentStats,
+    Sources,
+    exported_culprits,
+    top_culprits,
+)
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.store.histogram import Histogram, classic_bounds
 from agent.store.store import Store
@@ -221,7 +228,7 @@ def test_fast_exposition_is_byte_for_byte_the_libraries(node_scrape) -> None:
     sources = Sources(slos=config.slos, histograms=config.histogram_globs(),
                       throttled_seconds=lambda: {n: 0.5 for n in names},
                       request_sched_delay=lambda: {n: Histogram.from_ns([30_000, 900_000]) for n in names},
-                      agent_stats=lambda: {"slatrace_poll_duration_seconds": 0.25, "slatrace_poll_errors": 2})
+                      agent_stats=lambda: AgentStats(poll_duration_seconds=0.25, poll_errors=2))
     for s in (store, store2):
         for src in (sources, Sources(histograms=("*",))):
             collector = SlatraceCollector(s, sources=src)

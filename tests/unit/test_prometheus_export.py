@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Slo
 from agent.export import figures
-from agent.export.figures import CATALOG, Sources
+from agent.export.figures import CATALOG, AgentStats, Sources
 from agent.export.prometheus import SlatraceCollector
 from agent.probe.layout import ERROR_MAPS
 from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
@@ -146,7 +146,8 @@ def scenario() -> tuple[Store, Recorder, list[dict]]:
     now = [1000.0]
     store = Store(retention_s=900, clock=lambda: now[0])
     store.ingest(rec.snapshot(now[0]), NAMES.__getitem__)
-    collector = SlatraceCollector(store, lambda: {"slatrace_poll_duration_seconds": 0.004})
+    collector = SlatraceCollector(store, sources=Sources(
+        agent_stats=lambda: AgentStats(poll_duration_seconds=0.004, poll_errors=0)))
     scrapes = []
     for step in (1, 2, 3):
         _feed(rec, rng, step)
@@ -260,8 +261,7 @@ def test_self_metrics_and_hooks() -> None:
         throttled_seconds=lambda: {"api": 1.5},
         slo_breaches=lambda: {("api", "runq_p99"): 3},
         request_sched_delay=lambda: {"api": Histogram.from_ns([30_000, 2_000_000])},
-        agent_stats=lambda: {"slatrace_poll_duration_seconds": 0.25, "slatrace_poll_errors": 2,
-                             "slatrace_unknown_thing": 9},
+        agent_stats=lambda: AgentStats(poll_duration_seconds=0.25, poll_errors=2),
     )
     fams = _scrape(SlatraceCollector(store, sources=sources))
     assert _samples(fams, "slatrace_cpu_throttled_seconds", "_total") == {(("service", "api"),): 1.5}
