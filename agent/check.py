@@ -6,7 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.identity.cgroups import find_cgroup2_mount
+from agent.probe.mounts import find_cgroup2_mount
 from agent.probe import features as feat
 
 

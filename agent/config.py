@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from agent.identity.cgroups import cgroup_glob_regex
+from agent.identity.rules import ServiceRule
 from agent.store.histogram import BUCKETS_PER_OCTAVE, DEFAULT_BUCKETS_PER_OCTAVE
 
 __all__ = [
@@ -38,20 +39,6 @@ MAX_RETENTION_S = 7 * 86400.0
 
 class ConfigError(Exception):
     """A configuration problem, worded as one sentence an operator can act on."""
-
-
-@dataclass(frozen=True)
-class ServiceRule:
-    """Names the tasks that match every matcher given; the first matching rule wins."""
-
-    name: str
-    cgroup: str | None = None
-    comm: str | None = None
-    k8s_namespace: str | None = None
-    k8s_pod: str | None = None
-    k8s_container: str | None = None
-    systemd_unit: str | None = None
-    pid: int | None = None
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ import numpy as np
 
 from agent.probe import loader
 from agent.probe.layout import BlameKey, BlameVal, CgroupKey, CgroupVal, HistKey, HistVal
-from agent.snapshot import ProbeSnapshot
+from agent.probe.snapshot import ProbeSnapshot
 from agent.export.figures import QUANTILES, Sources
 from agent.export.prometheus import Registry, SlatraceCollector
-from agent.snapshot import HIST_RUNQ
+from agent.probe.snapshot import HIST_RUNQ
 from agent.store.store import Store
 from agent.store.table import quantiles
 

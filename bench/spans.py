@@ -23,7 +23,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from agent.attribution.request_sched import EventSched
 from agent.config import Slo
-from agent.snapshot import SchedEvent
+from agent.probe.snapshot import SchedEvent
 from agent.store.events import EV_PREEMPTED, EV_RUNQ, EventLog
 from agent.traces.identity import SpanOrigin
 from agent.traces.metrics import TraceCounters

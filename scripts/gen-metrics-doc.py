@@ -38,7 +38,7 @@ from agent.export.figures import (  # noqa: E402
     histogram_point,
 )
 from agent.export.prometheus import SlatraceCollector  # noqa: E402
-from agent.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
+from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
 from agent.traces.metrics import TraceCollector, TraceCounters  # noqa: E402

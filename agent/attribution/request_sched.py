@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from agent.snapshot import SchedEvent
+from agent.probe.snapshot import SchedEvent
 from agent.store.events import EventLog
 from agent.store.store import IDLE, UNKNOWN_SERVICE, Store
 

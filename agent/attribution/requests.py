@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from agent.attribution.request_sched import RequestSched
 from agent.config import Slo
 from agent.store.store import IDLE
-from agent.traces.spans import RequestSpan
+from agent.attribution.request_span import RequestSpan
 
 __all__ = [
     "Cause",

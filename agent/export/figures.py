@@ -25,7 +25,7 @@ from agent import __version__
 from agent.attribution.attribution import judge_slos
 from agent.config import Slo
 from agent.probe.layout import ERROR_MAPS
-from agent.snapshot import HIST_IOWAIT, HIST_RUNQ
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
 from agent.store.store import IDLE, ServiceWindow, Store
 from agent.store.table import ServiceTable, quantiles, sum_by

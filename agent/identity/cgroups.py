@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from agent.probe.mounts import find_cgroup2_mount
+
 __all__ = ["CgroupPaths", "cgroup_glob_matches", "cgroup_glob_regex", "find_cgroup2_mount"]
 
 log = logging.getLogger(__name__)
@@ -26,31 +28,6 @@ log = logging.getLogger(__name__)
 # A cgroup that was removed (or whose last task exited mid-read) answers with one
 # of these; that is ordinary churn, not a failure.
 _VANISHED = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENODEV, errno.ESRCH})
-
-
-def find_cgroup2_mount(mounts_text: str) -> str | None:
-    """The first cgroup2 mount point in /proc/mounts content (hybrid hosts have it
-    under /sys/fs/cgroup/unified, unified ones at /sys/fs/cgroup)."""
-    for line in mounts_text.splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[2] == "cgroup2":
-            return _unescape_mount_field(parts[1])
-    return None
-
-
-def _unescape_mount_field(field: str) -> str:
-    # /proc/mounts writes space, tab, newline and backslash as \040-style octal.
-    out: list[str] = []
-    i = 0
-    while i < len(field):
-        octal = field[i + 1 : i + 4]
-        if field[i] == "\\" and len(octal) == 3 and all(c in "01234567" for c in octal):
-            out.append(chr(int(octal, 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
 
 
 class CgroupPaths:

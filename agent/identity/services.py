@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.config import ServiceRule
-from agent.snapshot import KERNEL_CGID
+from agent.identity.rules import ServiceRule
+from agent.probe.snapshot import KERNEL_CGID
 from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
 from agent.identity.docker import DockerNames, docker_container_id
 from agent.identity.kthreads import kernel_thread_tids

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.identity.cgroups import find_cgroup2_mount
+from agent.probe.mounts import find_cgroup2_mount
 from agent.probe.btf import BtfError, TaskLayout, task_layout
 
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))

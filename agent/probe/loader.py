@@ -22,7 +22,7 @@ import numpy as np
 
 from agent.probe.layout import ERROR_MAPS, MAP_TYPES, TF_KTHREAD, TS_RUNNING, Ctl, TaskInfo
 from agent.probe.layout import SchedEvent as RawEvent
-from agent.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
+from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
 
 BATCH = 4096

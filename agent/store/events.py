@@ -22,7 +22,7 @@ from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from agent.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
+from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
 
 
 @dataclass

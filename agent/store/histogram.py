@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 
 from agent.probe.layout import HIST_MAX_SHIFT, HIST_MIN_SHIFT, HIST_SLOTS, HIST_SUB, HIST_SUB_SHIFT
-from agent.snapshot import Bucket
+from agent.probe.snapshot import Bucket
 
 OVERFLOW_SLOT = HIST_SLOTS - 1
 # Values at or above this many ns land in the overflow slot.

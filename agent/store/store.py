@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from agent.snapshot import (
+from agent.probe.snapshot import (
     BLAME_PREEMPTED,
     CGROUP_FIELDS,
     HIST_IOWAIT,

@@ -23,7 +23,7 @@ from types import MappingProxyType
 import numpy as np
 
 from agent.probe.layout import CGROUP_FIELDS
-from agent.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters
 from agent.store.histogram import HIST_SLOTS, Histogram, grouped_quantiles
 
 # Culprits beyond a victim's largest are summed under this name.

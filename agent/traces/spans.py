@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from agent.attribution.request_span import RequestSpan
 
 __all__ = [
     "REQUEST_SPAN_NAME",
@@ -60,42 +61,6 @@ class VllmAttr:
     SCHEDULER = "gen_ai.latency.time_in_scheduler"           # V0
     MODEL_FORWARD = "gen_ai.latency.time_in_model_forward"   # V0 (detailed traces)
     MODEL_EXECUTE = "gen_ai.latency.time_in_model_execute"   # V0 (detailed traces)
-
-
-@dataclass(frozen=True)
-class RequestSpan:
-    """One request, times in Unix seconds, durations in seconds."""
-
-    request_id: str
-    trace_id: str                 # 32 hex digits
-    span_id: str                  # 16 hex digits
-    parent_span_id: str | None
-    start: float
-    end: float
-    e2e: float                    # the attribute if present, else end - start
-    ttft: float | None = None
-    queue: float | None = None
-    prefill: float | None = None
-    decode: float | None = None
-    inference: float | None = None
-    scheduler: float | None = None
-    model_forward: float | None = None
-    model_execute: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    max_tokens: int | None = None
-    n: int | None = None
-    model: str | None = None
-    finish_reasons: tuple[str, ...] = ()
-
-    def phases(self) -> dict[str, float]:
-        """The request's phases that vLLM reported, for the timeline."""
-        out = {}
-        for name in ("queue", "prefill", "decode", "inference", "scheduler", "model_forward", "model_execute"):
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
 
 
 def any_value(v: AnyValue) -> Any:

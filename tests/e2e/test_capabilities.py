@@ -45,7 +45,7 @@ CAP_BITS = {"DAC_OVERRIDE": 1, "DAC_READ_SEARCH": 2, "SYS_PTRACE": 19, "SYS_ADMI
 LOAD_PROBE = """
 import sys
 from pathlib import Path
-from agent.identity.cgroups import find_cgroup2_mount
+from agent.probe.mounts import find_cgroup2_mount
 from agent.probe import features as feat
 tracefs = feat.find_tracefs()
 states = feat.parse_switch_states((tracefs / "events/sched/sched_switch/format").read_text())

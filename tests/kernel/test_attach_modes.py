@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agent.snapshot import HIST_IOWAIT, HIST_RUNQ
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ
 from tests.support.tracefs import TraceRecorder, percentile, reference
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv, wait_zombie
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agent.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, HIST_IOWAIT, HIST_RUNQ
+from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, HIST_IOWAIT, HIST_RUNQ
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
 
 pytestmark = pytest.mark.kernel
@@ -64,7 +64,7 @@ def test_kernel_threads_are_counted_apart_from_host(probe):
     land on the kernel pseudo cgroup; their number matches the tracefs
     reference for the same tids over the same span."""
     from agent.identity.kthreads import kernel_thread_tids
-    from agent.snapshot import KERNEL_CGID
+    from agent.probe.snapshot import KERNEL_CGID
     from tests.support.tracefs import TraceRecorder, reference
     from tests.support.workload import iowait_argv
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from agent.config import ServiceRule
-from agent.identity.cgroups import CgroupPaths, find_cgroup2_mount
+from agent.identity.cgroups import CgroupPaths
+from agent.probe.mounts import find_cgroup2_mount
 from agent.identity.services import Service, ServiceResolver
 
 pytestmark = pytest.mark.kernel

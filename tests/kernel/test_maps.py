@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agent.snapshot import HIST_RUNQ
+from agent.probe.snapshot import HIST_RUNQ
 from tests.support.tracefs import TraceRecorder, reference
 from tests.support.workload import TestCgroup, hog_argv, victim_argv, wait_zombie
 
@@ -103,7 +103,7 @@ def test_full_maps_count_what_they_lose(kernel):
     assert snap.errors["hists"] > 0 and snap.errors["pairs"] > 0
     # The same losses reach /metrics, per service and kind, through the store.
     from agent.export.figures import LOST_WAITS, compute
-    from agent.snapshot import ProbeSnapshot
+    from agent.probe.snapshot import ProbeSnapshot
     from agent.store.store import Store
 
     store = Store(900, clock=lambda: snap.wall)

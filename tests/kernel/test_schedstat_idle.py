@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.snapshot import EV_PREEMPTED, EV_RUNQ, CgroupCounters
+from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, CgroupCounters
 from tests.support.tracefs import TraceRecorder, WaitSpan, reference
 from tests.support.workload import PYTHON, TestCgroup
 

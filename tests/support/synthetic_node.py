@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from agent.snapshot import HIST_IOWAIT, HIST_RUNQ, Bucket, CgroupCounters, PairCounters, ProbeSnapshot
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, Bucket, CgroupCounters, PairCounters, ProbeSnapshot
 from agent.store.histogram import Histogram
 
 FIRST_CGID = 1000

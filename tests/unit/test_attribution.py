@@ -13,7 +13,7 @@ import pytest
 
 from agent.attribution.attribution import SloBreaches, attribution, blame, blame_from_totals, service_record
 from agent.config import Slo
-from agent.snapshot import Bucket, PairCounters
+from agent.probe.snapshot import Bucket, PairCounters
 from agent.store.histogram import Histogram, slot_of
 from agent.store.store import ServiceInterval, Window
 

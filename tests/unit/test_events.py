@@ -2,7 +2,7 @@
 
 import random
 
-from agent.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
+from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
 from agent.store.events import EventLog
 
 

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from agent.snapshot import Bucket
+from agent.probe.snapshot import Bucket
 from agent.store import histogram as h
 from agent.store.histogram import (
     Histogram,

@@ -5,7 +5,7 @@ from pathlib import Path
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kthreads import PF_KTHREAD, kernel_thread_tids, stat_flags
 from agent.identity.services import ServiceResolver
-from agent.snapshot import KERNEL_CGID
+from agent.probe.snapshot import KERNEL_CGID
 
 # Recorded /proc/PID/stat lines (6.18): a kworker and a user process whose comm
 # holds a space and a parenthesis.

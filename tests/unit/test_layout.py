@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from agent.probe import layout
-from agent.snapshot import CgroupCounters
+from agent.probe.snapshot import CgroupCounters
 from tests.support.bpf_header import header_defines, sched_h
 
 

@@ -25,7 +25,7 @@ from agent.export.otlp import (
     resolve_settings,
 )
 from agent.export.prometheus import SlatraceCollector
-from agent.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters, ProbeSnapshot, ProgramStats, CgroupCounters
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters, ProbeSnapshot, ProgramStats, CgroupCounters
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
 from agent.store.store import Store
 from tests.support.agent import free_port

@@ -22,7 +22,7 @@ from agent.export import figures
 from agent.export.figures import CATALOG, AgentStats, Sources
 from agent.export.prometheus import SlatraceCollector
 from agent.probe.layout import ERROR_MAPS
-from agent.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
+from agent.probe.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
 from agent.store.histogram import Histogram, classic_bounds
 from agent.store.store import Store
 

@@ -30,7 +30,8 @@ from agent.export.figures import Sources, compute
 from agent.store.store import Store
 from agent.traces.api import request_routes
 from agent.traces.forward import Forwarder, make_exporter
-from agent.identity.cgroups import CgroupPaths, find_cgroup2_mount
+from agent.identity.cgroups import CgroupPaths
+from agent.probe.mounts import find_cgroup2_mount
 from agent.traces.identity import SpanOrigin, SpanServices, cgroup_v2_path
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits, decode_json

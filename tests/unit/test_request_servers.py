@@ -245,7 +245,7 @@ def test_a_requests_wait_is_split_by_process_and_thread_name():
     import threading  # noqa: PLC0415
 
     from agent.identity.threads import ThreadNames  # noqa: PLC0415
-    from agent.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent  # noqa: PLC0415
+    from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent  # noqa: PLC0415
 
     # A real thread of this process, named the way vLLM's engine core names its loop.
     named, done = threading.Event(), threading.Event()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.identity.cgroups import CgroupPaths, find_cgroup2_mount
+from agent.identity.cgroups import CgroupPaths
+from agent.probe.mounts import find_cgroup2_mount
 from agent.identity.kubernetes import PodIndex
 from agent.traces.identity import (
     NO_PEER, NO_PROCESS, REMOTE_PEER, SOCKET_NOT_FOUND, Peer, SpanServices, cgroup_v2_path, ns_pids,

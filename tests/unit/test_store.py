@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from agent.snapshot import (
+from agent.probe.snapshot import (
     HIST_IOWAIT,
     HIST_RUNQ,
     Bucket,
