@@ -22,6 +22,8 @@ import platform
 import threading
 import time
 
+from agent.errors import SlatraceError
+
 __all__ = ["BPF_ENABLE_STATS", "BpfStatsSampler", "StatsUnavailable", "enable_run_time_stats"]
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ _SYS_BPF = {"x86_64": 321, "aarch64": 280, "armv7l": 386, "ppc64le": 361, "s390x
 MODES = ("sampled", "always", "off")
 
 
-class StatsUnavailable(OSError):
+class StatsUnavailable(SlatraceError, OSError):
     """BPF_ENABLE_STATS failed; the message names why."""
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from agent.errors import SlatraceError
 from agent.identity.cgroups import cgroup_glob_regex
 from agent.identity.rules import ServiceRule
 from agent.store.histogram import BUCKETS_PER_OCTAVE, DEFAULT_BUCKETS_PER_OCTAVE
@@ -37,7 +38,7 @@ DEFAULT_MAX_SERVICES = 1000
 MAX_RETENTION_S = 7 * 86400.0
 
 
-class ConfigError(Exception):
+class ConfigError(SlatraceError):
     """A configuration problem, worded as one sentence an operator can act on."""
 
 

@@ -23,6 +23,7 @@ from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
+from agent.errors import SlatraceError
 from agent.export.figures import AgentStats, HistogramPoint, Sources, summed
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
@@ -66,7 +67,7 @@ def seccomp_hint(status_text: str | None = None) -> str:
             "podman's default profile does): use the Localhost profile deploy/seccomp/slatrace.json")
 
 
-class StartupError(Exception):
+class StartupError(SlatraceError):
     """One sentence for the operator: what is missing and how to fix it."""
 
 

@@ -14,6 +14,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.attribution.attribution import attribution
 from agent.config import Config
+from agent.errors import SlatraceError
 from agent.store.store import Store
 
 DEFAULT_SINCE_S = 60.0
@@ -129,7 +130,7 @@ class Api:
         return json_response(200, attribution(window, self.state.config.slos, service, throttled, breaches))
 
 
-class QueryError(ValueError):
+class QueryError(SlatraceError, ValueError):
     pass
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from agent.api.routes import Api, Response, error
+from agent.errors import SlatraceError
 
 __all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerCollector", "ServerLimits",
            "BackgroundHTTPServer", "parse_listen", "raise_fd_limit"]
@@ -47,7 +48,7 @@ FD_RESERVE = 512
 MAX_HEADERS = 100
 
 
-class ListenError(Exception):
+class ListenError(SlatraceError):
     pass
 
 

@@ -7,12 +7,14 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from agent.errors import SlatraceError
 
-class AgentUnreachable(Exception):
+
+class AgentUnreachable(SlatraceError):
     pass
 
 
-class FetchError(Exception):
+class FetchError(SlatraceError):
     """An HTTP JSON request that failed: status is None when nothing answered,
     or the HTTP status; detail says what happened."""
 

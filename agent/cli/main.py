@@ -10,11 +10,12 @@ import sys
 
 from agent import __version__
 from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
+from agent.errors import SlatraceError
 
 DEFAULT_AGENT = "http://127.0.0.1:9477"
 
 
-class CliError(Exception):
+class CliError(SlatraceError):
     """Printed as one line, exit status 2."""
 
 
@@ -182,14 +183,9 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attri
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from agent.cli.client import AgentUnreachable  # noqa: PLC0415
-    from agent.config import ConfigError  # noqa: PLC0415
-    from agent.daemon import StartupError  # noqa: PLC0415
-    from agent.api.server import ListenError  # noqa: PLC0415
-
     try:
         return COMMANDS[args.command](args)
-    except (CliError, ConfigError, StartupError, ListenError, AgentUnreachable) as e:
+    except SlatraceError as e:
         print(f"slatrace: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

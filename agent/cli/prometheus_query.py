@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 from agent.attribution.attribution import blame_from_totals, verdict
 from agent.cli.client import FetchError, fetch_json
+from agent.errors import SlatraceError
 
 __all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution"]
 
 
-class PrometheusError(Exception):
+class PrometheusError(SlatraceError):
     """One sentence: Prometheus could not be asked or did not answer."""
 
 

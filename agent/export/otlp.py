@@ -47,6 +47,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from agent import __version__
+from agent.errors import SlatraceError
 from agent.export.figures import CATALOG
 from agent.store.store import IntervalRecord, Store
 
@@ -78,7 +79,7 @@ _SDK_EXPORTER_LOGGERS = (
 )
 
 
-class OtlpConfigError(ValueError):
+class OtlpConfigError(SlatraceError, ValueError):
     """One sentence for the operator about an unusable OTLP setting."""
 
 

@@ -19,6 +19,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.errors import SlatraceError
+
 VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
 BTF_MAGIC = 0xEB9F
@@ -29,7 +31,7 @@ _TRAILER = {1: lambda vlen: 4, 3: lambda vlen: 12, 4: lambda vlen: 12 * vlen, 5:
             15: lambda vlen: 12 * vlen, 17: lambda vlen: 4, 19: lambda vlen: 12 * vlen}
 
 
-class BtfError(Exception):
+class BtfError(SlatraceError):
     """The kernel's BTF is missing or lacks what the raw-tracepoint path needs."""
 
 

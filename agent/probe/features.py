@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.errors import SlatraceError
 from agent.probe.mounts import find_cgroup2_mount
 from agent.probe.btf import BtfError, TaskLayout, task_layout
 
@@ -44,7 +45,7 @@ PERF_TYPE_TRACEPOINT = 2
 PERF_FLAG_FD_CLOEXEC = 8
 
 
-class FeatureError(Exception):
+class FeatureError(SlatraceError):
     """A prerequisite is missing; the message is one sentence with the fix."""
 
 

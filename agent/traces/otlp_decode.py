@@ -24,6 +24,8 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError as ProtoDecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from agent.errors import SlatraceError
+
 __all__ = [
     "DecodeError",
     "Limits",
@@ -50,7 +52,7 @@ class Limits:
     max_attribute_length: int = 8192
 
 
-class DecodeError(ValueError):
+class DecodeError(SlatraceError, ValueError):
     """A payload the receiver refuses; `status` is the HTTP status to answer."""
 
     def __init__(self, status: int, reason: str) -> None:
