@@ -1,7 +1,7 @@
 """Per-service figures for a window: percentiles, blame and SLO verdicts.
 
-Turns the store's merged windows into the JSON records of SPEC.md
-(`GET /api/v1/attribution`). Pure: no host access, no bcc.
+Turns the store's merged windows into the JSON records of
+`GET /api/v1/attribution` (the interface spec's, plus docs/api.md). Pure: no host access, no bcc.
 
 Blame is a split of the service's measured delay by measured time, never by
 fixed weights. The delay is its run-queue wait plus its D-state wait. The

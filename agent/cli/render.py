@@ -41,23 +41,3 @@ def print_services(doc: dict) -> None:
     for s in doc.get("services", []):
         table.add_row(s["name"], s["source"], str(s.get("tasks", "")), ", ".join(s.get("cgroups", [])))
     _console().print(table)
-
-
-def print_attribution(doc: dict) -> None:
-    table = Table()
-    for col in ("service", "runs", "wait", "p50", "p95", "p99", "preempted", "top culprit", "iowait", "migr", "SLO"):
-        table.add_column(col, justify="left" if col in ("service", "top culprit", "SLO") else "right")
-    for r in doc.get("attribution", []):
-        runq, pre = r["runq"], r["preemption"]
-        culprit = pre["by"][0] if pre["by"] else None
-        slo = r.get("slo") or []
-        slo_text = "-" if not slo else ("ok" if all(s["ok"] for s in slo) else
-                                        "BREACH " + ",".join(s["name"] for s in slo if not s["ok"]))
-        table.add_row(
-            r["service"], str(runq["count"]), fmt_seconds(runq["wait_seconds"]),
-            fmt_seconds(runq["p50"]), fmt_seconds(runq["p95"]), fmt_seconds(runq["p99"]),
-            str(pre["count"]),
-            f"{culprit['service']} ({fmt_seconds(culprit['wait_seconds'])})" if culprit else "-",
-            fmt_seconds(r["iowait"]["seconds"]), str(r["migrations"]), slo_text,
-        )
-    _console().print(table)

@@ -5,7 +5,7 @@ cached per cgroup id; an entry is re-resolved when the cgroup's path changes,
 when the pod index changes, or after `refresh_s`, because `comm` and `pid`
 rules depend on which processes are in the cgroup right now.
 
-Automatic names (SPEC.md): a Kubernetes container -> NAMESPACE/WORKLOAD, a
+Automatic names (as the interface spec defines them): a Kubernetes container -> NAMESPACE/WORKLOAD, a
 systemd unit -> the unit name, a Docker container -> its name, the root cgroup
 -> host, any other cgroup -> its path. A service whose cgroups stop showing up
 is forgotten after `retention_s`, so the listing does not grow forever.
