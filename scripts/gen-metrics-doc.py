@@ -91,6 +91,7 @@ def trace_scrape_text() -> str:
     counters.add_unresolved("remote_peer")
     counters.add_claim_ignored("service.name")
     counters.add_forwarded(1)
+    counters.add_attribution_error()
     counters.add_forward_dropped("queue_full", 1)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(TraceCollector(counters))

@@ -51,6 +51,7 @@ class TraceCounters:
         self.pending = 0
         self.truncated_attributes = 0               # attribute values cut to Limits.max_attribute_length
         self.store_evicted = 0                      # finished requests dropped from the store before their age
+        self.attribution_errors = 0                 # requests (or worker ticks) whose attribution raised
         self.unresolved: dict[str, int] = {}        # reason -> request spans with no service
         self.claims_ignored: dict[str, int] = {}    # resource attribute -> resources whose claim was ignored
 
@@ -91,6 +92,10 @@ class TraceCounters:
         if n:
             with self._lock:
                 self.truncated_attributes += n
+
+    def add_attribution_error(self) -> None:
+        with self._lock:
+            self.attribution_errors += 1
 
     def add_store_evicted(self, n: int) -> None:
         with self._lock:
@@ -158,6 +163,7 @@ class TraceCollector(Collector):
             forward_dropped = dict(c.forward_dropped)
             forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
             truncated, store_evicted = c.truncated_attributes, c.store_evicted
+            attribution_errors = c.attribution_errors
             unresolved, ignored = dict(c.unresolved), dict(c.claims_ignored)
 
         spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
@@ -200,6 +206,9 @@ class TraceCollector(Collector):
         yield CounterMetricFamily("slatrace_requests_evicted", "Finished requests dropped from the API's "
                                   "store before the retention, to keep it within its count and byte budget.",
                                   value=store_evicted)
+        yield CounterMetricFamily("slatrace_requests_attribution_errors", "Requests whose scheduling figures "
+                                  "could not be computed (or worker ticks that failed; each logged with its "
+                                  "exception).", value=attribution_errors)
         dropped = CounterMetricFamily("slatrace_otlp_forward_dropped_spans", "Spans not forwarded, by reason "
                                       "(queue_full, export_failed).", labels=["reason"])
         for reason, n in sorted(forward_dropped.items()):

@@ -121,7 +121,6 @@ class RequestPipeline:
         self._warned: dict[str, float] = {}  # unresolved reason -> when last warned
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.errors = 0
 
     def set_slos(self, slos: Iterable[Slo]) -> None:
         """Judge requests finished from now on against these (a config reload)."""
@@ -230,7 +229,7 @@ class RequestPipeline:
             try:
                 sched = self._sched.between(service, span.start, span.end)
             except Exception:  # a source bug must cost one request's figures, not the pipeline
-                self.errors += 1
+                self.counters.add_attribution_error()
                 log.exception("scheduling figures for request %s failed", span.request_id)
         slo = judge(span, self._slos, service)
         doc = request_document(span, service, item.origin.how, sched, slo, complete)
@@ -248,7 +247,7 @@ class RequestPipeline:
             try:
                 self.process()
             except Exception:
-                self.errors += 1
+                self.counters.add_attribution_error()
                 log.exception("attributing requests failed; retrying next tick")
 
     def stop(self) -> None:

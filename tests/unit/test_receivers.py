@@ -420,3 +420,28 @@ def test_ingest_is_safe_from_many_threads(traces):
     for t in threads:
         t.join()
     wait_for(lambda: len(store.query()) == 8)
+
+
+def test_a_failing_scheduling_source_costs_one_request_and_is_counted():
+    """The kernel side raising for a request: the request is still recorded
+    (without scheduling figures), and the failure is counted for /metrics."""
+
+    class Broken(FakeSched):
+        def between(self, service, start, end):
+            raise RuntimeError("the event log is gone")
+
+    counters = TraceCounters()
+    store = RequestStore(900, clock=lambda: 1764680060.0)
+    pipeline = RequestPipeline(Broken(), own_services(), (), store, counters, tick_s=0.02)
+    http_rx = HttpReceiver("127.0.0.1", 0, pipeline, counters, Limits())
+    pipeline.start()
+    http_rx.start()
+    try:
+        post_traces(http_rx.port, (FIXTURES / "vllm_llm_request_v1.json").read_bytes(), "application/json")
+        wait_for(lambda: store.query())
+    finally:
+        http_rx.stop()
+        pipeline.stop()
+    assert counters.attribution_errors == 1
+    families = {f.name: f for f in TraceCollector(counters).collect()}
+    assert families["slatrace_requests_attribution_errors"].samples[0].value == 1
