@@ -173,7 +173,7 @@ class Daemon:
         t0 = time.monotonic()
         try:
             self._probe = Probe.load(features)
-        except Exception as e:  # BCC raises bare Exception on compile/attach failure
+        except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
             raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
                                "to see which prerequisite is missing") from None
         log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
@@ -228,7 +228,7 @@ class Daemon:
         binds so that a bad OTEL_* setting fails the start with one sentence."""
         if not self.options.otlp_endpoint:
             return None
-        from agent.export.otlp import OtlpMetricsExporter  # noqa: PLC0415, F811  (loads grpc)
+        from agent.export.otlp import OtlpMetricsExporter  # noqa: PLC0415  (loads grpc)
 
         try:
             exporter = OtlpMetricsExporter.from_options(self.registry, self.store, self.options.otlp_endpoint,

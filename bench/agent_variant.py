@@ -22,8 +22,8 @@ VARIANTS = {
 
 
 def apply(variant: str) -> None:
-    from agent import daemon  # noqa: PLC0415
-    from agent.probe import footprint  # noqa: PLC0415
+    from agent import daemon
+    from agent.probe import footprint
 
     if variant not in VARIANTS:
         raise SystemExit(f"unknown variant {variant!r}; one of: {', '.join(VARIANTS)}")
@@ -36,15 +36,15 @@ def apply(variant: str) -> None:
     if variant in ("full-first-interval", "before"):
         daemon.FIRST_INTERVAL_S = float("inf")  # min(.., interval): the whole interval
     if variant == "before":
-        import agent.traces.receiver_grpc  # noqa: F401, PLC0415
-        import agent.traces.receiver_http  # noqa: F401, PLC0415
+        import agent.traces.receiver_grpc
+        import agent.traces.receiver_http  # noqa: F401
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         raise SystemExit("usage: python -m bench.agent_variant VARIANT run [flags]")
     apply(argv[0])
-    from agent.cli.main import main as slatrace  # noqa: PLC0415
+    from agent.cli.main import main as slatrace
 
     return slatrace(argv[1:])
 

@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.export.figures import Sources  # noqa: E402
-from agent.export.prometheus import SlatraceCollector  # noqa: E402
-from agent.store.histogram import Histogram  # noqa: E402
-from agent.store.store import Store  # noqa: E402
-from tests.support.synthetic_node import SyntheticNode  # noqa: E402
+from agent.export.figures import Sources
+from agent.export.prometheus import SlatraceCollector
+from agent.store.histogram import Histogram
+from agent.store.store import Store
+from tests.support.synthetic_node import SyntheticNode
 
 # One more than the 60 s quantile window at 1 s intervals: a scrape merges a full window.
 INTERVALS = 61

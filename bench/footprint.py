@@ -189,7 +189,8 @@ def render(res: dict[str, Any]) -> str:
     if shipped:
         rss, ready, rest = shipped["VmRSS"]["median"], shipped["ready_s"]["median"], shipped["rest_s"]["median"]
         lines += ["| target | measured | limit | verdict |", "|---|---:|---:|---|",
-                  f"| RSS, steady (shipped) | {rss / MIB:.0f} MiB | ≤ 64 MiB | {'PASS' if rss <= RSS_TARGET else 'MISS'} |",
+                  f"| RSS, steady (shipped) | {rss / MIB:.0f} MiB | ≤ 64 MiB | "
+                  f"{'PASS' if rss <= RSS_TARGET else 'MISS'} |",
                   f"| start-up, spawn → /readyz 200 (shipped) | {ready:.2f} s | ≤ {READY_TARGET_S} s | "
                   f"{'PASS' if ready <= READY_TARGET_S else 'MISS'} |",
                   f"| the same without the BPF compile (shipped) | {rest:.2f} s | – | – |", ""]
@@ -248,7 +249,8 @@ def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[s
             r.update(label=label, round=rnd)
             runs.append(r)
             print(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds} {label:28s} ready "
-                  f"{r['ready_s']:.2f} s (compile {r['compile_s']:.2f} s), RSS {r['steady']['VmRSS'] / MIB:.0f} MiB (anon "
+                  f"{r['ready_s']:.2f} s (compile {r['compile_s']:.2f} s), "
+                  f"RSS {r['steady']['VmRSS'] / MIB:.0f} MiB (anon "
                   f"{r['steady']['RssAnon'] / MIB:.0f}, file {r['steady']['RssFile'] / MIB:.0f}), peak "
                   f"{r['steady']['VmHWM'] / MIB:.0f} MiB" + (f"; {r['llvm_sharers']} other libLLVM users"
                                                             if r["llvm_sharers"] else ""), flush=True)

@@ -14,10 +14,10 @@ def _maps(points: list[dict[str, Any]]) -> list[str]:
 
 
 def _pyplot():
-    import matplotlib  # noqa: PLC0415  (only the bench plots; the agent never imports it)
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     return plt
 

@@ -97,7 +97,8 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sc["points"]:
         mb = p["metrics_bytes"]["median"]
-        out.append(f"| {p['label']} | {_num(p['cpu_pct_loop'], '{:.1f}')} | {_num(p['cpu_pct_prometheus'], '{:.1f}')} | "
+        out.append(f"| {p['label']} | {_num(p['cpu_pct_loop'], '{:.1f}')} | "
+                   f"{_num(p['cpu_pct_prometheus'], '{:.1f}')} | "
                    f"{p['rss_mib']:.0f} / {p['peak_rss_mib']:.0f} | {_ms(p['poll_s'])} | "
                    f"{_num(mb / 1e6 if mb else None, '{:.2f}')} | {_num(p['series']['median'], '{:.0f}')} | "
                    f"{_ms(p['scrape_s'])} | {_num(p['services_tracked'], '{:.0f}')} | {_load(p.get('loadavg'))} |")

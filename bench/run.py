@@ -80,7 +80,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer rounds and shorter workloads: a smoke test")
     p.add_argument("--hackbench-groups", type=int, default=4)
     p.add_argument("--hackbench-loops", type=int, default=None, help="default 1000 (--quick 400)")
-    p.add_argument("--pipe-loops", type=int, default=None, help="perf bench sched pipe -l (default 300000, --quick 100000)")
+    p.add_argument("--pipe-loops", type=int, default=None,
+                   help="perf bench sched pipe -l (default 300000, --quick 100000)")
     p.add_argument("--budget", type=float, default=300.0, metavar="SECONDS",
                    help="start no round that would end after this (default %(default)s)")
     md = p.add_mutually_exclusive_group()
@@ -224,7 +225,7 @@ class Bench:
         for tool in list(self.running):
             try:
                 self.stop(tool)
-            except Exception as e:  # keep stopping the others
+            except Exception as e:  # noqa: BLE001  (keep stopping the others)
                 print(f"bench: stopping {tool.name} (pid {tool.pid}) failed: {e}", file=sys.stderr)
 
     # -- measurement ---------------------------------------------------------
@@ -376,7 +377,7 @@ def total_cost(records: list[dict[str, Any]], bench_workloads: tuple[workloads.W
     for w in bench_workloads:
         switches = statistics.median([r["switches"][w.name] for r in records if r["config"] == "none"] or [0])
         entry: dict[str, Any] = {"switches": switches}
-        for kind, key, scale in (("wall", "workloads", w.ns_per_unit), ("cpu", "workload_cpu_s", 1e9)):
+        for kind, key, ns_per_unit in (("wall", "workloads", w.ns_per_unit), ("cpu", "workload_cpu_s", 1e9)):
             # Paired within each round (the host drifts over a run by more than
             # a tool costs), then the median over rounds.
             by_round: dict[int, dict[str, float]] = {}
@@ -385,7 +386,7 @@ def total_cost(records: list[dict[str, Any]], bench_workloads: tuple[workloads.W
             added = {}
             for c in ("slatrace", "runqlat"):
                 diffs = [v[c] - v["none"] for v in by_round.values() if c in v and "none" in v]
-                added[c] = statistics.median(diffs) * scale / switches if diffs and switches else None
+                added[c] = statistics.median(diffs) * ns_per_unit / switches if diffs and switches else None
             # A ratio only when both tools measurably slowed it down: below the
             # noise a ratio of two differences means nothing.
             ok = all(v is not None and math.isfinite(v) and v > 0 for v in added.values())

@@ -124,7 +124,8 @@ def run(n_spans: int, wait_every_ns: int = 5_000_000) -> dict:
     cpu = time.process_time() - cpu0
     assert len(store) == n_spans, (len(store), n_spans)
     sample = store.get("cmpl-7")["sched"]
-    return {"spans": n_spans, "waits_per_request": 500_000_000 // wait_every_ns, "seconds": round(wall, 3), "cpu_seconds": round(cpu, 3),
+    return {"spans": n_spans, "waits_per_request": 500_000_000 // wait_every_ns, "seconds": round(wall, 3),
+            "cpu_seconds": round(cpu, 3),
             "spans_per_second": round(n_spans / wall),
             # On a shared machine wall time includes waiting for the CPU; this does not.
             "spans_per_cpu_second": round(n_spans / cpu), "events_in_log": len(events),

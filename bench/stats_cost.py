@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             raise SystemExit("kernel.bpf_stats_enabled is on for the whole host: no 'off' to compare with")
         time.sleep(1.0)
-    from agent.probe.loader import Probe  # noqa: PLC0415
+    from agent.probe.loader import Probe
 
     probe = Probe.load(feat.detect())
     fds = probe.program_fds()

@@ -270,7 +270,8 @@ def render() -> str:
         "  (preempting it, or holding the CPU it waited for after waking up), plus `idle`. The",
         "  others are dropped, not summed into an `other` value: each exported counter is then",
         "  one pair's true total and only grows, while a folded sum would shrink when the ranking",
-        "  changes (read by Prometheus as a counter reset). Their wait is still in `slatrace_runq_wait_seconds_total`, so the",
+        "  changes (read by Prometheus as a counter reset). Their wait is still in "
+        "`slatrace_runq_wait_seconds_total`, so the",
         "  `by_service` series of a service may sum to less than its wait; the agent's own",
         "  attribution (`/api/v1/attribution`) keeps more of them. (The store itself keeps, per",
         "  victim, the largest culprits of each interval and since start by name and sums the rest",

@@ -3,7 +3,8 @@
 The Prometheus collector turns the `Family` list into its metric families (and
 /metrics text); the OTLP metrics exporter reads those same families back from
 the Prometheus registry. A figure (a bucket count, a wait total, a quantile) is
-thus computed in exactly one place and the two exports cannot disagree. Pure: no host access, no bcc, nothing at import time.
+thus computed in exactly one place and the two exports cannot disagree. Pure:
+no host access, no bcc, nothing at import time.
 
 Counters are built from the store's totals since start, which never shrink;
 gauges from its recent window. Figures the store does not hold (cgroup CPU

@@ -423,7 +423,7 @@ class OtlpMetricsExporter:
                 return None
             ok = self._exporter.export(data, timeout_millis=self.settings.timeout_s * 1000) \
                 is MetricExportResult.SUCCESS
-        except Exception as e:  # a bug in building or sending must not end the export thread
+        except Exception as e:  # noqa: BLE001  (a bug in building or sending must not end the export thread)
             ok, error = False, e
         self._record(ok, data, error)
         return ok

@@ -269,7 +269,7 @@ class PodWatcher:
                 kubernetes.config.load_incluster_config()
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config()
-        except Exception as e:  # the client raises several unrelated types here
+        except Exception as e:  # noqa: BLE001  (the client raises several unrelated types here)
             log.warning("no Kubernetes credentials (%s): pods are named by UID only", e)
             return False
         self._thread = threading.Thread(target=self._run, args=(kubernetes,), name="k8s-pods",
@@ -302,7 +302,7 @@ class PodWatcher:
                     elif event["type"] in ("ADDED", "MODIFIED"):
                         self.index.upsert(pod)
                 backoff = 1.0
-            except Exception as e:  # network, 410 Gone, auth: relist after a pause
+            except Exception as e:  # noqa: BLE001  (network, 410 Gone, auth: relist after a pause)
                 self.errors += 1
                 log.warning("watching pods failed (%s); relisting in %.0f s", e, backoff)
                 self._sleep(backoff)

@@ -56,7 +56,8 @@ def bpf_source_dir() -> Path:
     for candidate in (package / "bpf", package.parent / "bpf"):
         if (candidate / "sched.bpf.c").is_file():
             return candidate
-    raise FileNotFoundError(f"sched.bpf.c not found in {package / 'bpf'} or {package.parent / 'bpf'}: reinstall slatrace")
+    raise FileNotFoundError(f"sched.bpf.c not found in {package / 'bpf'} or {package.parent / 'bpf'}: "
+                            "reinstall slatrace")
 
 
 # Which tracepoints the programs attach to: "raw" where the kernel's BTF gives
@@ -189,7 +190,7 @@ class Probe:
             try:
                 table[key] = info
                 marked += 1
-            except Exception:  # the task map is full: the thread stays counted as host
+            except Exception:  # noqa: BLE001  (the task map is full: the thread stays counted as host)
                 continue
         return marked
 

@@ -97,7 +97,8 @@ def to_readable_span(rs: ResourceSpans, ss: ScopeSpans, span: Span, extra: dict 
 
 class Forwarder(SpanSink):
     def __init__(self, exporter: SpanExporter, counters: TraceCounters, *, max_queue: int = 20_000,
-                 max_bytes: int = 64 << 20, max_batch: int = 512, flush_s: float = 0.2, retries: int = 3, backoff_s: float = 0.5,
+                 max_bytes: int = 64 << 20, max_batch: int = 512, flush_s: float = 0.2, retries: int = 3,
+                 backoff_s: float = 0.5,
                  sleep: Callable[[float], Any] | None = None) -> None:
         self._exporter = exporter
         self._counters = counters

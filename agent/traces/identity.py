@@ -248,7 +248,8 @@ class SpanServices:
         self._max_cached = max_cached
         self._clock = clock
         self._lock = threading.Lock()
-        self._senders: dict[tuple, tuple[float, int, _Sender | str]] = {}  # connection -> (when, pods generation, sender or reason)
+        # connection -> (when, pods generation, sender or reason)
+        self._senders: dict[tuple, tuple[float, int, _Sender | str]] = {}
         self._narrowed: dict[tuple, tuple[float, SpanOrigin]] = {}      # (sender, hints) -> origin
 
     def origin(self, peer: Peer | None, resource: Mapping[str, Any]) -> SpanOrigin:
@@ -281,7 +282,7 @@ class SpanServices:
         # a new connection of another process once the old one closed, and a
         # pod's IP to another pod once the pod index changed.
         if hit is not None and now - hit[0] < self._ttl:
-            when, seen, sender = hit
+            _, seen, sender = hit
             if isinstance(sender, _Sender) and sender.how == "connection":
                 if sender.alive():
                     return sender

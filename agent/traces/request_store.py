@@ -30,6 +30,10 @@ def doc_bytes(doc: dict) -> int:
     return len(json.dumps(doc, separators=(",", ":"), default=str))
 
 
+# A request span: (trace id, span id).
+_Key = tuple[str, str]
+
+
 class RequestStore:
     def __init__(self, retention_s: float, max_requests: int = 20_000, max_bytes: int = 32 * MiB,
                  clock: Callable[[], float] = time.time, on_evict: Callable[[int], None] | None = None) -> None:
@@ -39,12 +43,11 @@ class RequestStore:
         self._clock = clock
         self._on_evict = on_evict
         self._lock = threading.Lock()
-        Key = tuple[str, str]
-        self._by_id: OrderedDict[Key, tuple[dict, int]] = OrderedDict()  # (trace, span) -> (doc, bytes)
-        self._spans_of: dict[str, list[Key]] = {}        # request id -> its spans' keys
-        self._by_end: list[tuple[float, int, Key]] = []  # (end, generation, key), stale entries skipped
+        self._by_id: OrderedDict[_Key, tuple[dict, int]] = OrderedDict()  # (trace, span) -> (doc, bytes)
+        self._spans_of: dict[str, list[_Key]] = {}        # request id -> its spans' keys
+        self._by_end: list[tuple[float, int, _Key]] = []  # (end, generation, key), stale entries skipped
         self._gen = 0
-        self._gens: dict[Key, int] = {}
+        self._gens: dict[_Key, int] = {}
         self.bytes = 0
         self.evicted = 0
 

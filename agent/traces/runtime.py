@@ -125,7 +125,7 @@ class Traces:
         while not self._stop.wait(SERVER_SCAN_S):
             try:
                 self.pin_servers()
-            except Exception:  # noqa: BLE001  (a /proc oddity must not stop the scans)
+            except Exception:
                 log.exception("looking for inference servers failed; retrying")
 
     def close(self) -> None:

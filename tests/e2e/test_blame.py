@@ -59,7 +59,7 @@ def test_victim_culprits_ranked_heaviest_first(scene) -> None:
 
 
 def test_blame_adds_up_to_the_measured_wait(scene) -> None:
-    c, doc, schedstat, _ = scene
+    _, doc, schedstat, _ = scene
     (rec,) = doc["attribution"]
     b = rec["blame"]
     assert b["delay_seconds"] == pytest.approx(rec["runq"]["wait_seconds"] + rec["iowait"]["seconds"])

@@ -194,7 +194,8 @@ def test_histogram_quantile_agrees_with_the_agent_quantile(run: Run) -> None:
         assert agent_q, q
         aq = float(agent_q[0]["value"][1])
         assert aq > 0
-        for name, le_match in (("85 bounds", ""), ("43 bounds", ', le=~`' + "|".join(re.escape(x) for x in coarse) + '`')):
+        coarse_le = ', le=~`' + "|".join(re.escape(x) for x in coarse) + '`'
+        for name, le_match in (("85 bounds", ""), ("43 bounds", coarse_le)):
             via_buckets = run.prom.query(
                 f"histogram_quantile({q}, slatrace_runq_latency_seconds_bucket{{{sel}{le_match}}})", at=run.at)
             assert via_buckets, (name, q)

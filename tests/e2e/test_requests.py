@@ -223,7 +223,7 @@ def test_each_request_is_attributed_to_the_server_and_blames_the_neighbour(scene
 
 
 def test_runq_wait_matches_the_tracefs_reference(scene):
-    _, runs, got, events, offset_ns, noisy_tids, *_ = scene
+    _, runs, got, events, offset_ns, _, *_ = scene
     rows = []
     for protocol, (reqs, tids) in runs.items():
         for r in reqs:
@@ -267,7 +267,7 @@ def test_bad_input_keeps_the_daemon_serving(tmp_path):
     reason = kernel_unavailable()
     if reason:
         require_kernel(reason)
-    import grpc  # noqa: PLC0415
+    import grpc
 
     grpc_port, http_port = free_port(), free_port()
     fixture = (REPO / "tests" / "unit" / "fixtures" / "otlp" / "vllm_llm_request_v1.json").read_bytes()

@@ -37,7 +37,7 @@ def throttled():
 
 
 def test_throttled_seconds_match_the_kernel(throttled) -> None:
-    svc, q, kernel, rec, _ = throttled
+    _, q, kernel, rec, _ = throttled
     # 20% of one CPU for 3 s: about 80% of the time throttled.
     assert kernel > 0.5 * SECONDS * (1 - PERCENT / 100)
     (r,) = rec

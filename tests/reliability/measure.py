@@ -194,7 +194,7 @@ def big_spans(root: Path, spans: int = 150, size: int = MiB) -> dict:
                                             "gzip")[0])
             time.sleep(3.0)
         after = d.figures()
-        status, body = http_get(d.url + "/metrics")
+        _, body = http_get(d.url + "/metrics")
         truncated = [line for line in body.decode().splitlines()
                      if line.startswith("slatrace_otlp_truncated_attributes_total")]
     finally:
@@ -256,7 +256,7 @@ def grpc_flood(root: Path, senders: int = 8, exports: int = 15, per_export: int 
     """`senders` threads each send `exports` OTLP/gRPC exports of `per_export`
     request spans ending 5 s ahead (the most the agent accepts), so they pile
     up in the pending heap: 60,000 by default, past its 50,000."""
-    import grpc  # noqa: PLC0415
+    import grpc
 
     grpc_port = free_port()
     d = Daemon(root, "--otlp-grpc-listen", f"127.0.0.1:{grpc_port}")

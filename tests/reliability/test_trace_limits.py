@@ -23,12 +23,11 @@ from agent.config import Slo
 from agent.traces.api import request_routes
 from agent.traces.forward import Forwarder
 from agent.traces.metrics import TraceCounters
-from agent.traces.otlp_decode import Limits
 from agent.traces.pipeline import MAX_FUTURE_SKEW_S, Overloaded, RequestPipeline
 from agent.traces.receiver_http import HttpReceiver
 from agent.traces.request_store import RequestStore
 from tests.support.agent import post_traces
-from tests.unit.test_receivers import FakeSched, FixedOrigin, wait_for
+from tests.unit.test_receivers import FakeSched, FixedOrigin
 
 MiB = 1 << 20
 
@@ -159,7 +158,7 @@ def test_non_finite_latencies_are_null_and_every_answer_is_valid_json(bad):
     counters = TraceCounters()
     now = time.time()
     store = RequestStore(900)
-    sched, pipeline = make(counters, store)
+    _, pipeline = make(counters, store)
     ns = int(now * 1e9)
     pipeline.ingest(export([request_span("nan", ns - 10**9, ns, **{
         "gen_ai.latency.e2e": bad, "gen_ai.latency.time_to_first_token": bad,
@@ -188,7 +187,7 @@ def test_an_end_at_the_end_of_time_is_clamped_and_does_not_stop_expiry():
     clock = [1_000_000.0]
     counters = TraceCounters()
     store = RequestStore(60, clock=lambda: clock[0])
-    sched, pipeline = make(counters, store, clock=lambda: clock[0])
+    _, pipeline = make(counters, store, clock=lambda: clock[0])
     base = int(clock[0] * 1e9)
     pipeline.ingest(export([request_span("forever", base, 2**64 - 1)]), "http")
     pipeline.ingest(export([request_span(f"r{i}", base, base + i) for i in range(5)]), "http")

@@ -299,7 +299,7 @@ class Churn:
                 wake = [t for t in (live[0][0] if live else None, due if due < end_spawn else None,
                                     now + 0.01 if dying else None) if t is not None]
                 self._stop.wait(max(0.0, min(wake) - time.monotonic()))
-        except Exception as e:  # reported by join()
+        except Exception as e:  # noqa: BLE001  (reported by join())
             self.stats.errors.append(f"{type(e).__name__}: {e}")
         finally:
             self.finished_at = time.monotonic()

@@ -539,7 +539,7 @@ class TraceRecorder:
                     return
                 # 16 MiB per CPU hold far more than 20 ms of events.
                 time.sleep(0.02)
-        except BaseException as e:  # surfaced by __exit__
+        except BaseException as e:  # noqa: BLE001  (surfaced by __exit__)
             self._reader_errors.append(e)
         finally:
             os.close(fd)

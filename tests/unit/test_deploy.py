@@ -190,7 +190,8 @@ def test_resources_env_and_scheduling(daemonset: dict[str, Any], container: dict
     assert pod["terminationGracePeriodSeconds"] >= 10
     strategy = daemonset["spec"]["updateStrategy"]
     assert strategy["type"] == "RollingUpdate" and strategy["rollingUpdate"]["maxUnavailable"]
-    assert daemonset["spec"]["selector"]["matchLabels"].items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_service_account_and_rbac(daemonset: dict[str, Any]):
@@ -290,7 +291,8 @@ def test_kustomization_lists_every_manifest():
     missing = [r for r in listed if not (DEPLOY / r).exists()]
     assert missing == [], f"kustomization.yaml lists files that do not exist: {missing}"
     image = kust["images"][0]
-    assert image["name"] == one("DaemonSet", "slatrace")["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[0]
+    container = one("DaemonSet", "slatrace")["spec"]["template"]["spec"]["containers"][0]
+    assert image["name"] == container["image"].split(":")[0]
 
 
 # --- the image ---------------------------------------------------------------
@@ -373,7 +375,7 @@ def seccomp_rules() -> tuple[dict, set[str], list[dict]]:
 
 
 def test_seccomp_profile_refuses_by_default_and_allows_the_bpf_calls():
-    doc, allowed, rules = seccomp_rules()
+    doc, allowed, _ = seccomp_rules()
     assert doc["defaultAction"] == "SCMP_ACT_ERRNO"
     assert {"bpf", "perf_event_open"} <= allowed
     # What the agent's Python, BCC and the entrypoint shell need all the time.

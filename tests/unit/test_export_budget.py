@@ -74,7 +74,7 @@ def expected_series(node: SyntheticNode, i: int) -> int:
 
 
 def test_every_service_costs_at_most_30_series_by_default(node_scrape) -> None:
-    node, samples, config = node_scrape
+    node, samples, _ = node_scrape
     counts = series_by_service(samples)
     bucketed = {node.name(node.cgid(7)), node.name(node.cgid(10))}
     assert len(counts) == N
@@ -249,7 +249,7 @@ def test_exported_culprits_are_each_services_top_culprits(node_scrape) -> None:
     feed(node, store, 3)
     t = store.totals_table()
     every = np.zeros(len(t.names), bool)
-    v, c, pre, _, _ = exported_culprits(t, every)
+    v, c, _, _, _ = exported_culprits(t, every)
     got: dict[str, set] = {}
     for victim, culprit in zip(v.tolist(), c.tolist()):
         got.setdefault(t.names[victim], set()).add(t.names[culprit])

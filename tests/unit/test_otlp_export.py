@@ -68,7 +68,8 @@ def _snapshot(upto: int) -> ProbeSnapshot:
             pairs[k] = PairCounters(p.count - b.count, p.wait_ns - b.wait_ns)
         mig_before = MIGRATIONS[upto - 2] if upto > 1 else {}
         cgroups = {cg: CgroupCounters(migrations=n - mig_before.get(cg, 0)) for cg, n in MIGRATIONS[upto - 1].items()}
-    return ProbeSnapshot.from_dicts(mono_ns=upto * 10**9, wall=T0 + upto, hists=hists, pairs=dict(pairs), cgroups=cgroups,
+    return ProbeSnapshot.from_dicts(mono_ns=upto * 10**9, wall=T0 + upto, hists=hists, pairs=dict(pairs),
+                                    cgroups=cgroups,
                          errors={"tasks": 2 * upto}, programs={"sched_switch": ProgramStats(1000 * upto, 77 * upto)})
 
 

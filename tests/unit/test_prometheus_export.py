@@ -254,7 +254,8 @@ def test_self_metrics_and_hooks() -> None:
     store = Store(retention_s=900, clock=lambda: 100.0)
     store.ingest(ProbeSnapshot.from_dicts(0, 98.0), lambda cg: "api")
     twelve_ms = dict(Histogram.from_ns([12_000_000] * 4).items())
-    store.ingest(ProbeSnapshot.from_dicts(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)}, holders={(1, 0): PairCounters(1, 5)},
+    store.ingest(ProbeSnapshot.from_dicts(10**9, 99.0, hists={(1, 0): twelve_ms}, pairs={(1, 1): PairCounters(1, 10)},
+                                          holders={(1, 0): PairCounters(1, 5)},
                                programs={"sched_wakeup": ProgramStats(5, 500)}), lambda cg: "api")
     sources = Sources(
         slos=(Slo("api", runq_p99=0.005, runq_p95=0.5),),

@@ -391,7 +391,8 @@ def test_forwarding_keeps_ids_and_enriches_request_spans(protocol):
     assert fwd.start_time_unix_nano == 1764680000104551000 and fwd.kind == 2
     attrs = attributes(fwd.attributes)
     assert attrs["gen_ai.request.id"] == "cmpl-8c5d1c2e4b7a4f0e9d3b6a1f2e7c9d40"
-    assert attrs["slatrace.runq_wait_seconds"] == pytest.approx(0.1 * (fwd.end_time_unix_nano - fwd.start_time_unix_nano) / 1e9)
+    duration = (fwd.end_time_unix_nano - fwd.start_time_unix_nano) / 1e9
+    assert attrs["slatrace.runq_wait_seconds"] == pytest.approx(0.1 * duration)
     assert attrs["slatrace.top_culprit"] == "batch" and attrs["slatrace.preemptions"] == 7
     assert attrs["slatrace.verdict"].startswith("CPU contention from batch")
     assert attributes(rs.resource.attributes)["service.name"] == "unknown_service:python"

@@ -204,9 +204,9 @@ def test_watching_ends_when_a_service_stops_sending_and_pins_hold():
 
 
 def test_host_is_never_watched_and_unresolved_spans_are_counted_with_one_warning(caplog):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: PLC0415
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    from agent.traces.identity import Peer  # noqa: PLC0415
+    from agent.traces.identity import Peer
 
     class Origins:
         def __init__(self) -> None:
@@ -240,12 +240,12 @@ def test_host_is_never_watched_and_unresolved_spans_are_counted_with_one_warning
 
 
 def test_a_requests_wait_is_split_by_process_and_thread_name():
-    import ctypes  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import threading  # noqa: PLC0415
+    import ctypes
+    import os
+    import threading
 
-    from agent.identity.threads import ThreadNames  # noqa: PLC0415
-    from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent  # noqa: PLC0415
+    from agent.identity.threads import ThreadNames
+    from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent
 
     # A real thread of this process, named the way vLLM's engine core names its loop.
     named, done = threading.Event(), threading.Event()

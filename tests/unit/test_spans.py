@@ -88,7 +88,7 @@ def test_n_greater_than_one_keeps_every_sibling():
     assert sorted(d["span_id"] for d in docs) == ["3c4d5e6f708192a3", "4d5e6f708192a3b4"]
     assert sorted(d["tokens"]["completion"] for d in docs) == [180, 256]
     assert len(store) == 2 and len(store.query()) == 2
-    from agent.traces.api import request_routes  # noqa: PLC0415
+    from agent.traces.api import request_routes
     one = json.loads(request_routes(store)["/api/v1/requests/"]({"_tail": [spans[0].request_id]}).body)
     assert len(one["siblings"]) == 1 and {one["span_id"], one["siblings"][0]["span_id"]} == \
         {"3c4d5e6f708192a3", "4d5e6f708192a3b4"}
