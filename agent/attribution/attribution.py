@@ -28,9 +28,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from agent.attribution.slo import SCHED_SLOS, SloResult, judge_slos
 from agent.config import Slo
 from agent.store.store import IDLE
 
@@ -46,44 +46,9 @@ __all__ = [
     "verdict",
 ]
 
-# SLO keys judged from the scheduler histograms, and how to read them
-SCHED_SLOS = {
-    "runq_p99": ("runq", 0.99),
-    "runq_p95": ("runq", 0.95),
-    "iowait_p99": ("iowait", 0.99),
-}
-
 # Preemptor names that are not a service anyone runs: the kernel's own threads,
 # the idle task and tasks whose cgroup the probe never saw.
 KERNEL_NAMES = frozenset({"kernel", "unknown"})
-
-
-@dataclass(frozen=True)
-class SloResult:
-    name: str
-    target: float
-    value: float | None
-    ok: bool
-
-    def as_dict(self) -> dict:
-        return {"name": self.name, "target": self.target, "value": self.value, "ok": self.ok}
-
-
-def judge_slos(slos: tuple[Slo, ...], service: str, figures: Any) -> list[SloResult]:
-    """SLOs of `service` judged on a ServiceWindow/ServiceInterval. An SLO with
-    no samples in the window is met: nothing waited."""
-    out = []
-    for slo in slos:
-        if slo.service != service:
-            continue
-        for name, (hist_name, q) in SCHED_SLOS.items():
-            target = getattr(slo, name)
-            if target is None:
-                continue
-            hist = getattr(figures, hist_name)
-            value = hist.quantile(q) if hist.count else None
-            out.append(SloResult(name, target, value, value is None or value <= target))
-    return out
 
 
 class SloBreaches:

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from agent.attribution.request_sched import RequestSched
+from agent.attribution.request_span import RequestSpan
+from agent.attribution.slo import REQUEST_SLOS, judge_request
 from agent.config import Slo
 from agent.store.store import IDLE
-from agent.attribution.request_span import RequestSpan
 
 __all__ = [
     "Cause",
@@ -26,7 +27,6 @@ __all__ = [
 ]
 
 # (SLO field in config, request figure it judges)
-REQUEST_SLOS = (("request_e2e_p99", "e2e"), ("request_ttft_p99", "ttft"))
 
 # A cause below both of these is noise on a busy machine, not a reason for a miss.
 SIGNIFICANT_SECONDS = 0.010
@@ -103,20 +103,8 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
 
 
 def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:
-    """The request SLOs of the service: breached when the figure exceeds the target.
-
-    A request without the judged figure (no ttft attribute) is not judged on it."""
-    out: list[dict] = []
-    for slo in slos:
-        if slo.service != service:
-            continue
-        for name, figure in REQUEST_SLOS:
-            target = getattr(slo, name)
-            value = getattr(span, figure)
-            if target is None or value is None:
-                continue
-            out.append({"name": name, "target": target, "value": value, "ok": value <= target})
-    return out
+    """The request SLOs of the service, as the REQUEST document lists them."""
+    return [r.as_dict() for r in judge_request(span, slos, service)]
 
 
 def request_document(span: RequestSpan, service: str | None, how: str, sched: RequestSched | None,

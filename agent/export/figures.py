@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 
 from agent import __version__
-from agent.attribution.attribution import judge_slos
+from agent.attribution.slo import judge_slos
 from agent.config import Slo
 from agent.probe.layout import ERROR_MAPS
 from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from agent.attribution.slo import holds
 from agent.export.figures import HistogramPoint
 from agent.store.histogram import classic_bounds
 
@@ -122,7 +123,7 @@ class TraceCounters:
                 target = self._slo_targets[key]
                 values = sorted(v for _, v in samples)
                 p99 = values[max(0, math.ceil(0.99 * len(values)) - 1)] if values else None
-                out[key] = (target, p99, p99 is None or p99 <= target)
+                out[key] = (target, p99, holds(p99, target))
         return out
 
     def breach_counts(self) -> dict[tuple[str, str], int]:
