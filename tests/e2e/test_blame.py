@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.scenes import contention
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.workload import read_schedstat, wait_zombie
 
@@ -26,9 +26,7 @@ SECONDS = 4.0
 
 @pytest.fixture(scope="module")
 def scene():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     with Agent(interval=0.5) as agent, contention(SECONDS) as c:
         wait_zombie(c.victim_pid, timeout=SECONDS + 10)
         schedstat = read_schedstat(c.victim_pid)

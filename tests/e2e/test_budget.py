@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import Agent, http_get
 from tests.support.workload import PREFIX, TestCgroup, victim_argv
 
@@ -39,9 +39,7 @@ def services_in(agent: Agent) -> tuple[set[str], float]:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory):
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     cfg = tmp_path_factory.mktemp("budget") / "slatrace.yaml"
     cfg.write_text(yaml.safe_dump({"retention": RETENTION_S, "max_services": MAX_SERVICES,
                                    "services": [{"name": GONE, "cgroup": f"/{PREFIX}budget-gone-*"}]}))

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel, require_kernel
 from tests.support.agent import REPO, SLATRACE, Agent, free_port, http_get
 from tests.support.workload import TestCgroup, read_schedstat, victim_argv
 
@@ -97,9 +97,7 @@ def one_clear_line(stderr: str) -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def prerequisites() -> None:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     if shutil.which("setpriv") is None:
         require_kernel("setpriv (util-linux) is not installed")
 

@@ -22,7 +22,7 @@ import pytest
 from bench import bpfstats
 from bench.scale import parse_exposition
 from tests.e2e.scenes import VictimRun, victim_beside_hogs
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import Agent, http_get
 from tests.support.scale import Churn, ChurnStats, Duty
 from tests.support.tracefs import percentile
@@ -92,9 +92,7 @@ def _victim(agent: Agent, phase: str) -> VictimRun:
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory) -> Scene:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     config = _config(tmp_path_factory.mktemp("churn"))
     t0 = time.monotonic()
     with Agent(config=config, interval=INTERVAL) as agent:

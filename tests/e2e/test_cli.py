@@ -13,7 +13,7 @@ import pytest
 
 from agent.cli.render import fmt_seconds
 from tests.e2e.scenes import contention
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.workload import PREFIX, wait_zombie
 
@@ -41,9 +41,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def scene():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     with Agent(interval=0.5) as agent, contention(SECONDS, heavy_hogs=2) as c:
         # A cgroup laid out as systemd lays out a service unit: its name is the unit's.
         unit_parent = c.victim.mount / f"{PREFIX}sd-{c.victim.dir.name.split('-')[-2]}-{secrets.token_hex(3)}.slice"

@@ -11,7 +11,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel, require_kernel
 from tests.support.agent import SLATRACE, REPO, Agent, bpf_prog_ids, http_get, loaded_prog_ids
 
 pytestmark = pytest.mark.e2e
@@ -21,9 +21,7 @@ NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-
 
 @pytest.fixture(scope="module")
 def agent():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     with Agent() as a:
         time.sleep(1.2)  # a couple more intervals
         yield a
@@ -76,9 +74,7 @@ def test_bad_query_is_a_400_with_reason(agent):
 
 
 def test_sigterm_detaches_everything():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     with Agent() as a:
         ours = bpf_prog_ids(a.proc.pid)
         assert len(ours) == 6
@@ -123,9 +119,7 @@ def test_check_without_privileges_fails_with_json():
 
 
 def test_check_as_root_passes():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     r = _run(SLATRACE + ["check", "--json"])
     doc = json.loads(r.stdout)
     assert r.returncode == 0 and doc["ok"] is True, doc

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 from agent.traces.spans import attributes
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import Agent, free_port
 from tests.support.otlp_receiver import OtlpReceiver
 
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_spans_are_forwarded_with_ids_and_slatrace_attributes():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     grpc_port = free_port()
     with OtlpReceiver(http_enabled=False) as collector, \
             Agent("--otlp-endpoint", collector.grpc_endpoint,

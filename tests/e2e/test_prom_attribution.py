@@ -22,7 +22,7 @@ import pytest
 from agent.cli.prometheus_query import PrometheusQuery, fleet_attribution
 from agent.store.histogram import classic_bounds
 from tests.e2e.scenes import contention
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel, require_kernel
 from tests.support.agent import REPO, SLATRACE, Agent, free_port, http_get
 from tests.support.workload import PREFIX
 
@@ -74,9 +74,7 @@ class Prometheus:
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory: pytest.TempPathFactory):
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     if shutil.which("prometheus") is None:
         require_kernel("Debian's prometheus is not installed (make setup-test installs it)")
     cfg = tmp_path_factory.mktemp("cfg") / "slatrace.yaml"

@@ -21,7 +21,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.store.histogram import classic_bounds
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel, require_kernel
 from tests.support.agent import REPO, Agent, http_get
 from tests.support.prometheus import Prometheus, dashboard_targets, running_prometheus, substitute
 from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv
@@ -48,9 +48,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     if shutil.which("prometheus") is None or shutil.which("promtool") is None:
         require_kernel("Debian's prometheus package is not installed (SLATRACE_SETUP_TEST=1 scripts/setup.sh)")
     tmp = tmp_path_factory.mktemp("prometheus")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get, post_traces
 from tests.support.prometheus import dashboard_targets, running_prometheus, substitute
 from tests.support.tracefs import SchedSwitch, SchedWakeup, TraceRecorder, switch_out_state
@@ -111,9 +111,7 @@ def server_env(protocol: str | None, **extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory):
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     tmp = tmp_path_factory.mktemp("cfg")
     config = tmp / "slatrace.yaml"
     # This run's cgroups only: other runs on a shared machine make cgroups of the same names.
@@ -264,9 +262,7 @@ def test_a_claimed_service_name_does_not_move_requests(scene):
 
 
 def test_bad_input_keeps_the_daemon_serving(tmp_path):
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     import grpc
 
     grpc_port, http_port = free_port(), free_port()
@@ -316,9 +312,7 @@ def test_a_sender_the_agent_cannot_place_is_counted_and_named_once(tmp_path):
     """A real sender in another network namespace (a veth pair, as a remote
     host would be): its spans are kept, counted as unresolved, and the agent
     logs one warning naming the fix — not one per span."""
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     tag = f"{os.getpid() % 100000}"
     ns, host_if, ns_if = f"slt-{tag}", f"slth{tag}", f"sltn{tag}"
     net = f"10.213.{os.getpid() % 250}"

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.scenes import quota
-from tests.support import kernel_unavailable, require_kernel
+from tests.support import needs_kernel
 from tests.support.agent import Agent, http_get
 from tests.support.workload import TestCgroup, hog_argv
 
@@ -21,9 +21,7 @@ PERCENT = 20
 
 @pytest.fixture(scope="module")
 def throttled():
-    reason = kernel_unavailable()
-    if reason:
-        require_kernel(reason)
+    needs_kernel()
     with Agent(interval=0.5) as agent, TestCgroup("quota") as svc, quota(svc, PERCENT) as q:
         p = svc.spawn(q.wrap + hog_argv())
         time.sleep(SECONDS)

@@ -24,6 +24,14 @@ def require_kernel(reason: str) -> None:
     pytest.skip(reason)
 
 
+def needs_kernel() -> None:
+    """At the start of a kernel or e2e test or fixture: skip it (fail it in CI)
+    with the one sentence kernel_unavailable() gives, if it cannot run here."""
+    reason = kernel_unavailable()
+    if reason:
+        require_kernel(reason)
+
+
 def kernel_unavailable() -> str | None:
     """Why kernel tests cannot run here, or None when they can.
 
