@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import SlatraceError
-from agent.probe.mounts import find_cgroup2_mount
 from agent.probe.btf import BtfError, TaskLayout, task_layout
+from agent.probe.mounts import find_cgroup2_mount
 
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 TRACEPOINTS = (
@@ -241,43 +241,77 @@ def refusal(what: str, err: int, status_text: str) -> str:
     return f"{what} failed: {os.strerror(err)}"
 
 
-def check_kernel_access(tracefs: Path, status_text: str | None = None) -> None:
-    """Really create a BPF map and open a tracepoint event; FeatureError naming what blocks either."""
-    status_text = status_text if status_text is not None else Path("/proc/self/status").read_text()
+@dataclass(frozen=True)
+class Prerequisite:
+    """One thing the probe needs: whether it holds here, and what it found or how to fix it."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+def prerequisites(proc: Path = Path("/proc")) -> tuple[list[Prerequisite], dict]:
+    """Every prerequisite of the probe, in the order a fix should go, each
+    asked of the kernel for real (a map is created, a tracepoint opened); and
+    what was found on the way (tracefs, the switch states, the cgroup2 mount)
+    for detect(). `slatrace check` lists them all; detect() stops at the
+    first that fails."""
+    out: list[Prerequisite] = []
+    found: dict = {}
+    status = (proc / "self" / "status").read_text()
+    try:
+        check_privileges(status)
+        out.append(Prerequisite("privileges", True, "CAP_SYS_ADMIN, or CAP_BPF and CAP_PERFMON"))
+    except FeatureError as e:
+        out.append(Prerequisite("privileges", False, str(e)))
+    # Asked of the kernel whatever the capability check concluded, so that a
+    # seccomp filter or an LSM shows.
     err = try_bpf_map()
-    if err:
-        raise FeatureError(refusal("creating a BPF map (bpf())", err, status_text))
-    err = try_tracepoint_event(tracefs)
-    if err:
-        raise FeatureError(refusal("opening the sched_switch tracepoint (perf_event_open())", err, status_text))
+    out.append(Prerequisite("bpf-map", not err, "created and closed a BPF array map" if not err else
+                            refusal("creating a BPF map (bpf())", err, status)))
+    tracefs = find_tracefs()
+    out.append(Prerequisite("tracefs", tracefs is not None, f"mounted at {tracefs}" if tracefs else
+                            tracefs_problem(mounts_text=(proc / "mounts").read_text())))
+    if tracefs is not None:
+        found["tracefs"] = tracefs
+        err = try_tracepoint_event(tracefs)
+        out.append(Prerequisite("perf-event", not err, "opened and closed a sched_switch tracepoint event"
+                                if not err else refusal("opening the sched_switch tracepoint (perf_event_open())",
+                                                        err, status)))
+        for tp in TRACEPOINTS:
+            present = exists(tracefs / "events" / "sched" / tp / "format")
+            out.append(Prerequisite(f"tracepoint:sched:{tp}", present, "present" if present else
+                                    f"the kernel has no sched:{tp} tracepoint, which slatrace needs (a kernel "
+                                    "built with CONFIG_TRACEPOINTS and the scheduler events)"))
+        try:
+            states = parse_switch_states((tracefs / "events/sched/sched_switch/format").read_text())
+            found["states"] = states
+            out.append(Prerequisite("preempt-flag", True, f"sched_switch prev_state preempt bit {states.preempt:#x}"))
+        except (OSError, ValueError) as e:
+            out.append(Prerequisite("preempt-flag", False, f"cannot read the preemption flag from sched_switch's "
+                                    f"format ({e}); this kernel's tracepoint layout is not supported"))
+    mount = find_cgroup2_mount((proc / "mounts").read_text())
+    if mount is not None:
+        found["cgroup2"] = Path(mount)
+    out.append(Prerequisite("cgroup2", mount is not None, f"mounted at {mount}" if mount else
+                            "no cgroup v2 hierarchy is mounted, and services are told apart by their cgroup v2 "
+                            "id: mount one with 'mount -t cgroup2 none /sys/fs/cgroup/unified'"))
+    return out, found
 
 
 def detect() -> Features:
-    """Detect everything the probe needs, or raise FeatureError with the fix."""
-    check_privileges()
-    tracefs = find_tracefs()
-    if tracefs is None:
-        raise FeatureError(tracefs_problem())
-    for tp in TRACEPOINTS:
-        if not exists(tracefs / "events" / "sched" / tp / "format"):
-            raise FeatureError(f"the kernel has no sched:{tp} tracepoint, which slatrace needs "
-                               "(a kernel built with CONFIG_TRACEPOINTS and the scheduler events)")
-    try:
-        states = parse_switch_states((tracefs / "events/sched/sched_switch/format").read_text())
-    except (OSError, ValueError) as e:
-        raise FeatureError(f"cannot read the preemption flag from sched_switch's format ({e}); "
-                           "this kernel's tracepoint layout is not supported") from None
-    check_kernel_access(tracefs)
-    mount = find_cgroup2_mount(Path("/proc/mounts").read_text())
-    if mount is None:
-        raise FeatureError("no cgroup v2 hierarchy is mounted, and services are told apart by their "
-                           "cgroup v2 id: mount one with 'mount -t cgroup2 none /sys/fs/cgroup/unified'")
+    """Detect everything the probe needs, or raise FeatureError with the fix
+    of the first prerequisite that fails."""
+    checks, found = prerequisites()
+    for c in checks:
+        if not c.ok:
+            raise FeatureError(c.detail)
     try:
         layout, why_not = task_layout(), None
     except BtfError as e:
         layout, why_not = None, str(e)
-    return Features(tracefs=tracefs, states=states, cgroup2=Path(mount), task_layout=layout,
-                    raw_unavailable=why_not)
+    return Features(tracefs=found["tracefs"], states=found["states"], cgroup2=found["cgroup2"],
+                    task_layout=layout, raw_unavailable=why_not)
 
 
 def kernel_headers_present(release: str | None = None) -> bool:

@@ -42,3 +42,22 @@ def test_privileges_from_capability_mask():
         features.check_privileges(nobody)
     with pytest.raises(features.FeatureError):
         features.check_privileges(f"CapEff:\t{1 << 39:016x}\n")  # BPF without PERFMON
+
+
+def test_check_and_the_probe_read_one_prerequisite_list(monkeypatch):
+    """`slatrace check` lists the probe's own prerequisites: what stops the
+    agent at start (detect) is the first failing item of the same list, with
+    the same words. tracefs is made to look absent to have one fail."""
+    from agent.check import run_checks
+    from agent.probe import features
+
+    monkeypatch.setattr(features, "find_tracefs", lambda *a, **k: None)
+    items, _ = features.prerequisites()
+    failing = [p for p in items if not p.ok]
+    assert failing and "tracefs" in {p.name for p in failing}
+    with pytest.raises(features.FeatureError) as e:
+        features.detect()
+    assert str(e.value) == failing[0].detail
+    checks = {c.name: (c.ok, c.detail) for c in run_checks()}
+    assert all(checks[p.name] == (p.ok, p.detail) for p in items)
+    assert {"bcc", "kernel-headers"} <= set(checks)   # what BCC needs besides
