@@ -32,6 +32,7 @@ from typing import Any
 
 from agent.attribution.slo import SCHED_SLOS, SloResult, judge_slos
 from agent.config import Slo
+from agent.durations import fmt_seconds
 from agent.store.store import IDLE
 
 __all__ = [
@@ -212,16 +213,6 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
     }
 
 
-def _fmt(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f}µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.1f}ms"
-    return f"{seconds:.2f}s"
-
-
 def _pct(share: float) -> str:
     return f"{share * 100:.0f}%"
 
@@ -232,23 +223,23 @@ def verdict(record: Mapping[str, Any]) -> str:
     b = record["blame"]
     runq = record["runq"]
     broken = [s for s in record.get("slo", []) if not s["ok"]]
-    lead = f"{service}: run-queue P99 {_fmt(runq['p99'])}"
+    lead = f"{service}: run-queue P99 {fmt_seconds(runq['p99'])}"
     if broken:
-        lead += " (" + ", ".join(f"{s['name']} {_fmt(s['value'])} over its {_fmt(s['target'])} target"
+        lead += " (" + ", ".join(f"{s['name']} {fmt_seconds(s['value'])} over its {fmt_seconds(s['target'])} target"
                                  for s in broken) + ")"
     if b["cause"] == "none":
         return f"{service}: no measurable scheduling or I/O delay in this window."
     kinds = b["kinds"]
-    delay = _fmt(b["delay_seconds"])
+    delay = fmt_seconds(b["delay_seconds"])
 
     def part(kind: str) -> float:
         return kinds.get(kind, {}).get("share", 0.0)
 
     neighbours = [c for c in b["culprits"] if c["kind"] == "neighbour"]
-    named = " and ".join(f"{c['service']} ({_fmt(c['seconds'])}, {_pct(c['share'])})" for c in neighbours[:2])
+    named = " and ".join(f"{c['service']} ({fmt_seconds(c['seconds'])}, {_pct(c['share'])})" for c in neighbours[:2])
     cause = b["cause"]
     if cause == "own_quota":
-        body = (f"starved by its own CPU quota, throttled {_fmt(kinds['own_quota']['seconds'])} "
+        body = (f"starved by its own CPU quota, throttled {fmt_seconds(kinds['own_quota']['seconds'])} "
                 f"= {_pct(part('own_quota'))} of its {delay} delay, while neighbours account for "
                 f"{_pct(part('neighbour'))}")
     elif cause == "neighbours":

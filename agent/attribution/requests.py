@@ -14,13 +14,13 @@ from agent.attribution.request_sched import RequestSched
 from agent.attribution.request_span import RequestSpan
 from agent.attribution.slo import REQUEST_SLOS, judge_request
 from agent.config import Slo
+from agent.durations import fmt_seconds
 from agent.store.store import IDLE
 
 __all__ = [
     "Cause",
     "REQUEST_SLOS",
     "causes",
-    "fmt_duration",
     "judge",
     "request_document",
     "verdict",
@@ -63,18 +63,6 @@ def causes(sched: RequestSched) -> list[Cause]:
     return out
 
 
-def fmt_duration(seconds: float) -> str:
-    """'0.38 s' from a tenth of a second up, '2 ms' / '0.4 ms' below it."""
-    if seconds >= 0.1:
-        return f"{seconds:.2f} s"
-    ms = seconds * 1e3
-    if ms >= 10:
-        return f"{ms:.0f} ms"
-    if ms >= 1:
-        return f"{ms:.1f} ms".replace(".0 ms", " ms")
-    return f"{ms:.2f} ms"
-
-
 def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) -> str:
     """One sentence naming the largest scheduling cause of the request's latency."""
     if service is None:
@@ -85,9 +73,9 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
     ranked = causes(sched)
     if not ranked or (ranked[0].seconds < SIGNIFICANT_SECONDS
                       and ranked[0].seconds < SIGNIFICANT_SHARE * max(span.e2e, 1e-9)):
-        return f"no significant scheduling delay (runq wait {fmt_duration(sched.runq_wait_seconds)})"
+        return f"no significant scheduling delay (runq wait {fmt_seconds(sched.runq_wait_seconds)})"
     top = ranked[0]
-    share = f"{top.seconds / span.e2e:.0%} of {fmt_duration(span.e2e)} end to end" if span.e2e > 0 else \
+    share = f"{top.seconds / span.e2e:.0%} of {fmt_seconds(span.e2e)} end to end" if span.e2e > 0 else \
         "of a request of no measurable duration"
     if top.kind == "contention" and top.culprit == service:
         what = f"run-queue wait behind its own threads ({service})"
@@ -99,7 +87,7 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
         what = f"run-queue wait without preemption (CPUs saturated within {service})"
     else:
         what = "I/O wait (D state)"
-    return f"{what} added {fmt_duration(top.seconds)} ({share})"
+    return f"{what} added {fmt_seconds(top.seconds)} ({share})"
 
 
 def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:

@@ -9,7 +9,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.table import Table
 
-from agent.cli.render import fmt_seconds
+from agent.durations import fmt_seconds
 
 __all__ = ["attribution_table", "print_attribution", "slo_text", "top_culprit"]
 

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import math
 
 from rich.console import Console
 from rich.table import Table
 
 
+
 def _console() -> Console:
     return Console(highlight=False, soft_wrap=False)
-
-
-def fmt_seconds(value: float | None) -> str:
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        return "-"
-    if value == 0:
-        return "0"
-    if value < 1e-3:
-        return f"{value * 1e6:.0f}µs"
-    if value < 1:
-        return f"{value * 1e3:.2f}ms"
-    return f"{value:.2f}s"
 
 
 def print_checks(checks) -> None:

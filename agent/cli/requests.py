@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+from agent.durations import fmt_seconds
+
 if TYPE_CHECKING:  # rich loads only to print: `slatrace run` registers these commands too
     from rich.console import Console
     from rich.text import Text
@@ -77,12 +79,6 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=False)
 
 
-def _fmt(value: float | None) -> str:
-    from agent.cli.render import fmt_seconds  # noqa: PLC0415
-
-    return fmt_seconds(value)
-
-
 def _slo_text(slo: list[dict]) -> str:
     if not slo:
         return "-"
@@ -101,9 +97,9 @@ def print_requests(doc: dict) -> None:
         sched = r.get("sched") or {}
         by = r.get("culprits") or sched.get("preempted_by") or []
         table.add_row(
-            r["request_id"], r["service"], _fmt(r.get("e2e")), _fmt(r.get("ttft")),
-            _fmt(sched.get("runq_wait_seconds")), str(sched.get("preemptions", "-")),
-            f"{by[0]['service']} ({_fmt(by[0]['wait_seconds'])})" if by else "-",
+            r["request_id"], r["service"], fmt_seconds(r.get("e2e")), fmt_seconds(r.get("ttft")),
+            fmt_seconds(sched.get("runq_wait_seconds")), str(sched.get("preemptions", "-")),
+            f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by else "-",
             _slo_text(r.get("slo") or []), r.get("verdict", ""),
         )
     _console().print(table)
@@ -132,31 +128,31 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     """(label, bar, duration) rows: the request's phases, then what the
     scheduler took (drawn from the start: the kernel says how much, not when)."""
     e2e = doc.get("e2e") or 0.0
-    rows = [("end to end", _bar(0, e2e, e2e, "bold", width), _fmt(e2e))]
+    rows = [("end to end", _bar(0, e2e, e2e, "bold", width), fmt_seconds(e2e))]
     phases = doc.get("phases") or {}
     offset = 0.0
     for name in ("queue", "prefill", "decode"):
         value = phases.get(name)
         if value is None:
             continue
-        rows.append((name, _bar(offset, value, e2e, "cyan", width), _fmt(value)))
+        rows.append((name, _bar(offset, value, e2e, "cyan", width), fmt_seconds(value)))
         offset += value
     ttft = doc.get("ttft")
     if ttft is not None:
-        rows.append(("first token", _bar(0, ttft, e2e, "green", width), _fmt(ttft)))
+        rows.append(("first token", _bar(0, ttft, e2e, "green", width), fmt_seconds(ttft)))
     sched = doc.get("sched") or {}
     for by in sched.get("preempted_by") or []:
         rows.append((f"preempted by {by['service']}", _bar(0, by["wait_seconds"], e2e, "red", width),
-                     _fmt(by["wait_seconds"])))
+                     fmt_seconds(by["wait_seconds"])))
     for by in sched.get("waited_behind") or []:
         label = "woke to an idle CPU" if by["service"] == "idle" else f"woke behind {by['service']}"
-        rows.append((label, _bar(0, by["wait_seconds"], e2e, "red", width), _fmt(by["wait_seconds"])))
+        rows.append((label, _bar(0, by["wait_seconds"], e2e, "red", width), fmt_seconds(by["wait_seconds"])))
     if sched:
         rows.append(("run-queue wait", _bar(0, sched["runq_wait_seconds"], e2e, "yellow", width),
-                     _fmt(sched["runq_wait_seconds"])))
+                     fmt_seconds(sched["runq_wait_seconds"])))
         if sched.get("iowait_seconds"):
             rows.append(("I/O wait", _bar(0, sched["iowait_seconds"], e2e, "magenta", width),
-                         _fmt(sched["iowait_seconds"])))
+                         fmt_seconds(sched["iowait_seconds"])))
     return rows
 
 
@@ -178,8 +174,8 @@ def print_explain(doc: dict) -> None:
     sched = doc.get("sched")
     if sched:
         console.print(f"preemptions {sched['preemptions']}   migrations {sched['migrations']}   "
-                      f"iowait {_fmt(sched['iowait_seconds'])}   "
-                      f"resolution {_fmt(doc.get('sched_resolution_seconds'))}"
+                      f"iowait {fmt_seconds(sched['iowait_seconds'])}   "
+                      f"resolution {fmt_seconds(doc.get('sched_resolution_seconds'))}"
                       + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))
         threads = sched.get("by_thread") or []
         if threads:
@@ -188,8 +184,8 @@ def print_explain(doc: dict) -> None:
             for column in ("process", "pid", "thread", "wait"):
                 where.add_column(column, justify="right" if column in ("pid", "wait") else "left")
             for t in threads:
-                where.add_row(t["process"], str(t["pid"]), t["thread"], _fmt(t["wait_seconds"]))
+                where.add_row(t["process"], str(t["pid"]), t["thread"], fmt_seconds(t["wait_seconds"]))
             console.print(where)
     for s in doc.get("slo") or []:
         state = "[green]ok[/]" if s["ok"] else "[red]BREACH[/]"
-        console.print(f"SLO {s['name']}: {_fmt(s.get('value'))} vs target {_fmt(s['target'])} {state}")
+        console.print(f"SLO {s['name']}: {fmt_seconds(s.get('value'))} vs target {fmt_seconds(s['target'])} {state}")

@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.table import Table
 
 from agent.cli.attribution_view import slo_text, top_culprit
-from agent.cli.render import fmt_seconds
+from agent.durations import fmt_seconds
 
 __all__ = ["SORT_FIELDS", "frame", "run_top", "sort_records"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.render import fmt_seconds
+from agent.durations import fmt_seconds
 from tests.e2e.scenes import contention
 from tests.support import needs_kernel
 from tests.support.agent import REPO, SLATRACE, Agent

@@ -66,7 +66,7 @@ def test_own_quota_is_not_neighbour_contention() -> None:
     assert b["kinds"]["busy_cpu"]["seconds"] == pytest.approx(0.2)
     assert b["cause"] == "own_quota"
     rec = service_record("api", 0.0, 10.0, f, throttled_seconds=1.5)
-    assert "own CPU quota" in rec["verdict"] and "throttled 1.50s" in rec["verdict"]
+    assert "own CPU quota" in rec["verdict"] and "throttled 1.50 s" in rec["verdict"]
     assert "75%" in rec["verdict"]  # 1.5 of 2.0 s
     # Throttling larger than the wait it can explain is capped at that wait.
     assert blame("api", f, throttled_seconds=9.0)["kinds"]["own_quota"]["seconds"] == pytest.approx(2.0)
@@ -102,7 +102,7 @@ def test_attribution_document_keeps_every_field_and_adds_blame() -> None:
     assert web["throttled_seconds"] == 0.01
     assert batch["slo"] == [{"name": "runq_p99", "target": 0.005, "value": pytest.approx(0.008, rel=0.07),
                              "ok": False, "intervals_breached": 7}]
-    assert "runq_p99" in batch["verdict"] and "over its 5.0ms target" in batch["verdict"]
+    assert "runq_p99" in batch["verdict"] and "over its 5 ms target" in batch["verdict"]
 
 
 def test_slo_breaches_count_intervals() -> None:

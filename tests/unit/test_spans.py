@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.attribution.request_sched import RequestSched
-from agent.attribution.requests import causes, fmt_duration, judge, request_document, verdict
+from agent.attribution.requests import causes, judge, request_document, verdict
+from agent.durations import fmt_seconds
 from agent.config import Slo
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body, decode_json, decode_protobuf, gunzip
 from agent.traces.request_store import RequestStore
@@ -266,7 +267,7 @@ def test_verdict_other_causes_and_noise():
         "I/O wait (D state) added 0.50 s (28% of 1.80 s end to end)"
     assert verdict(span(), sched(0.3), "vllm").startswith("run-queue wait without preemption")
     assert "no scheduling figures" in verdict(span(), None, None)
-    assert fmt_duration(0.0004) == "0.40 ms" and fmt_duration(0.025) == "25 ms" and fmt_duration(0.0031) == "3.1 ms"
+    assert fmt_seconds(0.0004) == "0.40 ms" and fmt_seconds(0.025) == "25 ms" and fmt_seconds(0.0031) == "3.1 ms"
 
 
 def test_request_slos_judge_e2e_and_ttft():
