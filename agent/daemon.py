@@ -25,6 +25,7 @@ from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.errors import SlatraceError
 from agent.export.figures import AgentStats, HistogramPoint, Sources, summed
+from agent.export.otlp_settings import OtlpConfigError
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
@@ -219,6 +220,8 @@ class Daemon:
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
             self._traces.start()
+        except OtlpConfigError as e:
+            raise StartupError(f"cannot forward spans to --otlp-endpoint: {e}") from None
         except (OSError, ValueError) as e:
             raise StartupError(f"cannot start the OTLP trace receivers: {e}; choose other addresses with "
                                "--otlp-grpc-listen / --otlp-http-listen, or 'off'") from None

@@ -14,10 +14,9 @@ and counts at once.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -28,6 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from agent.export.otlp_settings import HTTP_PROTOBUF, resolve_settings
 from agent.traces.metrics import TraceCounters
 from agent.traces.pipeline import SpanSink
 from agent.traces.spans import attributes
@@ -41,25 +41,21 @@ _STATUS = {0: StatusCode.UNSET, 1: StatusCode.OK, 2: StatusCode.ERROR}
 _SPAN_OVERHEAD = 512  # bytes a queued span costs beside its protobuf size
 
 
-def make_exporter(endpoint: str, protocol: str | None = None, timeout_s: float = 5.0) -> SpanExporter:
-    """The SDK's OTLP span exporter for `endpoint`, gRPC unless the protocol
-    (argument, then OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL)
-    says http/protobuf."""
-    protocol = (protocol or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-    if protocol == "http/protobuf":
+def make_exporter(endpoint: str, protocol: str | None = None,
+                  environ: Mapping[str, str] | None = None) -> SpanExporter:
+    """The SDK's OTLP span exporter for `endpoint`, resolved as the metrics
+    exporter resolves its own (agent/export/otlp_settings.py, the TRACES
+    signal): --otlp-protocol, then OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, then
+    OTEL_EXPORTER_OTLP_PROTOCOL; the /v1/traces path for HTTP; the TRACES
+    endpoint and timeout variables. Headers, compression and TLS files the
+    exporter reads from the standard variables itself."""
+    settings = resolve_settings(endpoint, protocol, environ, signal="TRACES")
+    if settings.protocol == HTTP_PROTOBUF:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter  # noqa: PLC0415
-
-        # As the SDK does for OTEL_EXPORTER_OTLP_ENDPOINT: the base URL gets the signal path.
-        url = endpoint if urlparse(endpoint).path.rstrip("/").endswith("/v1/traces") else \
-            endpoint.rstrip("/") + "/v1/traces"
-        return HttpExporter(endpoint=url, timeout=timeout_s)
-    if protocol != "grpc":
-        raise ValueError(f"OTLP protocol {protocol!r} is not supported; use grpc or http/protobuf")
+        return HttpExporter(endpoint=settings.endpoint, timeout=settings.timeout_s)
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter  # noqa: PLC0415
-
-    parsed = urlparse(endpoint if "://" in endpoint else "http://" + endpoint)
-    return GrpcExporter(endpoint=parsed.netloc, insecure=parsed.scheme != "https", timeout=timeout_s)
+    parsed = urlparse(settings.endpoint if "://" in settings.endpoint else "http://" + settings.endpoint)
+    return GrpcExporter(endpoint=parsed.netloc, insecure=parsed.scheme != "https", timeout=settings.timeout_s)
 
 
 def _context(trace_id: bytes, span_id: bytes, flags: int = 0, state: str = "") -> SpanContext:

@@ -15,15 +15,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from opentelemetry.sdk.metrics.export import AggregationTemporality, Gauge, Histogram as OtlpHistogram, Sum
 
 from agent.export import otlp
-from agent.export.otlp import (
-    ExportSettings,
-    OtlpConfigError,
-    OtlpMetricsExporter,
-    build_metrics_data,
-    build_resource,
-    resolve_protocol,
-    resolve_settings,
-)
+from agent.export.otlp import OtlpMetricsExporter, build_metrics_data, build_resource
+from agent.export.otlp_settings import ExportSettings, OtlpConfigError, resolve_protocol, resolve_settings
 from agent.export.prometheus import SlatraceCollector
 from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters, ProbeSnapshot, ProgramStats, CgroupCounters
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
@@ -385,3 +378,19 @@ def test_an_exporter_that_raises_does_not_end_the_thread(store, registry):
         time.sleep(0.01)
     exporter.stop()
     assert broken.calls >= 3 and exporter.stats.failures == broken.calls
+
+
+def test_traces_resolve_through_the_same_rules_with_their_own_variables():
+    """The trace forwarder's exporter reads the TRACES signal's variables
+    through the metrics exporter's resolver."""
+    s = resolve_settings("http://c:4318", "http/protobuf", {}, signal="TRACES")
+    assert (s.protocol, s.endpoint, s.timeout_s) == ("http/protobuf", "http://c:4318/v1/traces", 10.0)
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "4",
+           "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc", "OTEL_METRIC_EXPORT_TIMEOUT": "1000"}
+    s = resolve_settings("http://c:4318/", None, env, signal="TRACES")
+    assert (s.protocol, s.endpoint, s.timeout_s) == ("http/protobuf", "http://c:4318/v1/traces", 4.0)
+    assert resolve_settings("http://c:4317", None, env).protocol == "grpc"   # metrics keep theirs
+    s = resolve_settings("x", None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://t:1/in"}, signal="TRACES")
+    assert s.endpoint == "https://t:1/in"
+    with pytest.raises(OtlpConfigError, match="OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"):
+        resolve_settings("http://c:4317", None, {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "-1"}, signal="TRACES")
