@@ -6,8 +6,8 @@ OpenTelemetry SDK's own OTLP span exporter (gRPC, or HTTP/protobuf as the SDKs
 choose from OTEL_EXPORTER_OTLP_PROTOCOL). Protobuf spans become SDK
 ReadableSpans with their trace id, span id, parent, kind, status, events and
 links kept, so the collector sees the original span plus, for requests, the
-`slatrace.*` attributes. A batch that fails is retried with backoff a few
-times, then counted as dropped; a full queue (by count or by bytes) drops
+`slatrace.*` attributes. A batch the exporter could not send (after its own
+retries) is counted as dropped; a full queue (by count or by bytes) drops
 and counts at once.
 """
 
@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
@@ -93,9 +92,7 @@ def to_readable_span(rs: ResourceSpans, ss: ScopeSpans, span: Span, extra: dict 
 
 class Forwarder(SpanSink):
     def __init__(self, exporter: SpanExporter, counters: TraceCounters, *, max_queue: int = 20_000,
-                 max_bytes: int = 64 << 20, max_batch: int = 512, flush_s: float = 0.2, retries: int = 3,
-                 backoff_s: float = 0.5,
-                 sleep: Callable[[float], Any] | None = None) -> None:
+                 max_bytes: int = 64 << 20, max_batch: int = 512, flush_s: float = 0.2) -> None:
         self._exporter = exporter
         self._counters = counters
         self._queue: queue.Queue = queue.Queue(max_queue)
@@ -104,10 +101,7 @@ class Forwarder(SpanSink):
         self._bytes_lock = threading.Lock()
         self.max_batch = max_batch
         self.flush_s = flush_s
-        self.retries = retries
-        self.backoff_s = backoff_s
         self._stop = threading.Event()
-        self._sleep = sleep or self._stop.wait  # backoff ends early on shutdown
         self._thread: threading.Thread | None = None
 
     def forward(self, resource_spans: ResourceSpans, scope_spans: ScopeSpans, span: Span,
@@ -158,7 +152,7 @@ class Forwarder(SpanSink):
         return batch
 
     def send(self, batch: Sequence[tuple]) -> bool:
-        """Export one batch, retrying with exponential backoff; True when sent."""
+        """Export one batch; True when sent, else its spans are counted as dropped."""
         resources: dict[int, Resource] = {}
         spans = []
         for rs, ss, span, extra in batch:
@@ -166,21 +160,18 @@ class Forwarder(SpanSink):
             if res is None:
                 res = resources[id(rs)] = Resource(attributes(rs.resource.attributes), rs.schema_url)
             spans.append(to_readable_span(rs, ss, span, extra, res))
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            try:
-                result = self._exporter.export(spans)
-            except Exception:  # an exporter bug or a transport error it did not catch
-                log.exception("forwarding spans failed")
-                result = SpanExportResult.FAILURE
-            if result == SpanExportResult.SUCCESS:
-                self._counters.add_forwarded(len(spans))
-                return True
-            if attempt < self.retries and not self._stop.is_set():
-                self._sleep(delay)
-                delay *= 2
-        log.warning("dropping %d spans: the collector did not take them after %d attempts",
-                    len(spans), self.retries + 1)
+        try:
+            # The SDK's exporter retries a retryable failure (UNAVAILABLE, 429,
+            # 503, ...) with backoff itself, within its timeout.
+            result = self._exporter.export(spans)
+        except Exception:  # an exporter bug or a transport error it did not catch
+            log.exception("forwarding spans failed")
+            result = SpanExportResult.FAILURE
+        if result == SpanExportResult.SUCCESS:
+            self._counters.add_forwarded(len(spans))
+            return True
+        log.warning("dropping %d spans: the collector did not take them (the exporter's retries included)",
+                    len(spans))
         self._counters.add_forward_dropped("export_failed", len(spans))
         return False
 
