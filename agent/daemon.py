@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 
 from agent.api.routes import AgentState, Api
-from agent.attribution.attribution import SloBreaches
+from agent.attribution.breaches import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
 from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
 from agent.bpf_stats import BpfStatsSampler

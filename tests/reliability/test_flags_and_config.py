@@ -152,7 +152,7 @@ def test_an_slo_for_an_unknown_service_is_warned_once(caplog):
 
 
 def test_an_slo_of_an_unseen_service_is_not_exported_as_holding():
-    from agent.attribution.attribution import SloBreaches
+    from agent.attribution.breaches import SloBreaches
 
     breaches = SloBreaches((Slo("ghost", runq_p99=0.01),), 60)
     breaches.observe(1.0, {})
