@@ -15,7 +15,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from opentelemetry.sdk.metrics.export import AggregationTemporality, Gauge, Histogram as OtlpHistogram, Sum
 
 from agent.export import otlp
-from agent.export.otlp import OtlpMetricsExporter, build_metrics_data, build_resource
+from agent.export.otlp import OtlpMetricsExporter, build_resource
+from agent.export.otlp_translate import build_metrics_data
 from agent.export.otlp_settings import ExportSettings, OtlpConfigError, resolve_protocol, resolve_settings
 from agent.export.prometheus import SlatraceCollector
 from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters, ProbeSnapshot, ProgramStats, CgroupCounters
