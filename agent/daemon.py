@@ -30,6 +30,7 @@ from agent.export.prometheus import Registry, SlatraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
+from agent.identity.listing import describe as describe_services
 from agent.identity.threads import ThreadNames
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
@@ -146,7 +147,7 @@ class Daemon:
         return set(self.store.cgroups(service))
 
     def _describe_services(self) -> list[dict]:
-        return self._resolver.describe() if self._resolver else []
+        return describe_services(self._resolver) if self._resolver else []
 
     def _agent_stats(self) -> AgentStats:
         return AgentStats(poll_duration_seconds=self.poll_seconds, poll_errors=self.poll_errors)

@@ -92,17 +92,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problem:
             raise CliError(f"--interval {problem}")
         overrides["interval"] = args.interval
-    config = load_config(args.config) if args.config else Config()
     if args.retention is not None:
-        problem = retention_problem(args.retention, overrides.get("interval", config.interval))
-        if problem:
-            raise CliError(f"--retention {problem}")
         overrides["retention"] = args.retention
+    config = load_config(args.config) if args.config else Config()
     if overrides:
         from dataclasses import replace  # noqa: PLC0415
         config = replace(config, **overrides)
-    if config.retention < config.interval:
-        raise CliError(f"--retention {config.retention:g} must be at least the interval ({config.interval:g} s)")
+    # One check for both sources: a retention from the file can fall below a
+    # longer --interval as surely as a bad --retention can.
+    problem = retention_problem(config.retention, config.interval)
+    if problem:
+        where = "--retention" if args.retention is not None else f"retention in {args.config or 'the default config'}"
+        raise CliError(f"{where} {problem}")
     options = RunOptions(listen=args.listen, otlp_grpc_listen=args.otlp_grpc_listen,
                          otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint,
                          otlp_protocol=args.otlp_protocol, config_path=args.config,

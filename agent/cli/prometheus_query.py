@@ -18,7 +18,8 @@ import time
 import urllib.parse
 from collections.abc import Callable
 
-from agent.attribution.attribution import blame_from_totals, verdict
+from agent.attribution.blame import blame_from_totals
+from agent.attribution.verdict import verdict
 from agent.cli.client import FetchError, fetch_json
 from agent.errors import SlatraceError
 

@@ -9,6 +9,8 @@ Automatic names (as the interface spec defines them): a Kubernetes container -> 
 systemd unit -> the unit name, a Docker container -> its name, the root cgroup
 -> host, any other cgroup -> its path. A service whose cgroups stop showing up
 is forgotten after `retention_s`, so the listing does not grow forever.
+
+What each service is made of, for the API, is agent/identity/listing.py's job.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from agent.identity.rules import ServiceRule
 from agent.probe.snapshot import KERNEL_CGID
 from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
 from agent.identity.docker import DockerNames, docker_container_id
-from agent.identity.kthreads import kernel_thread_tids
 from agent.identity.kubernetes import PodIndex, parse_kubepods_path
 from agent.identity.systemd import systemd_unit
 
@@ -38,9 +39,9 @@ __all__ = [
     "UNKNOWN",
     "Identity",
     "Service",
+    "KERNEL",
     "ServiceResolver",
     "identify",
-    "psutil_processes",
 ]
 
 HOST = "host"
@@ -115,23 +116,6 @@ def identify(path: str, pods: PodIndex | None = None, docker: DockerNames | None
     return Identity(path, "cgroup")
 
 
-def psutil_processes(pids: list[int], limit: int = 10) -> list[dict]:
-    """comm, cmdline and thread count of up to `limit` processes, via psutil;
-    processes that exit meanwhile are skipped."""
-    import psutil  # noqa: PLC0415  (only API listings need it)
-
-    out = []
-    for pid in pids[:limit]:
-        try:
-            p = psutil.Process(pid)
-            with p.oneshot():
-                out.append({"pid": pid, "comm": p.name(), "cmdline": " ".join(p.cmdline()),
-                            "threads": p.num_threads()})
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
 # Not a service of its own (never listed): the name for ids with no cgroup behind them.
 _UNKNOWN = Service(UNKNOWN, "unknown")
 KERNEL = Service("kernel", "kernel")
@@ -181,7 +165,6 @@ class ServiceResolver:
         retention_s: float = 900.0,
         pods: PodIndex | None = None,
         docker: DockerNames | None = None,
-        process_info: Callable[[list[int]], list[dict]] = psutil_processes,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._rules = _compile(rules)
@@ -189,10 +172,9 @@ class ServiceResolver:
         self.pods = pods
         self.docker = docker
         self.retention_s = retention_s
-        self._process_info = process_info
         self._last_seen: dict[str, float] = {}
-        self._cgroups = cgroup_paths
-        self._proc = Path(proc_root)
+        self.cgroup_paths = cgroup_paths
+        self.proc_root = Path(proc_root)
         self.max_services = max_services
         self.refresh_s = refresh_s
         self._clock = clock
@@ -224,7 +206,7 @@ class ServiceResolver:
             return _UNKNOWN
         if cgid == KERNEL_CGID:
             return self._admit(KERNEL, self._clock())
-        path = self._cgroups.path_of(cgid)
+        path = self.cgroup_paths.path_of(cgid)
         now = self._clock()
         if now - self._swept_at >= self.sweep_s:
             self._sweep(now)
@@ -256,7 +238,7 @@ class ServiceResolver:
         with self._lock:
             cgids = list(self._cache)
             self._swept_at = now
-        gone = [cgid for cgid in cgids if self._cgroups.path_of(cgid) is None]
+        gone = [cgid for cgid in cgids if self.cgroup_paths.path_of(cgid) is None]
         with self._lock:
             for cgid in gone:
                 self._cache.pop(cgid, None)
@@ -277,48 +259,12 @@ class ServiceResolver:
                     out.setdefault(e.service.name, []).append(e.path)
         return out
 
-    def describe(self) -> list[dict]:
-        """Services seen so far, in the /api/v1/services shape, sorted by name.
-
-        Reads cgroup.threads of every cgroup, so it is for API calls, not the
-        per-interval path."""
+    def known(self) -> tuple[list[Service], list[tuple[int, str | None, str, Identity]]]:
+        """The services seen so far, and every cached cgroup as (id, path,
+        service name, identity): what the services listing is built from."""
         with self._lock:
-            seen = list(self._seen.values())
-            entries = [(cgid, e.path, e.service.name, e.identity) for cgid, e in self._cache.items()]
-        cgroups: dict[str, set[str]] = {}
-        identities: dict[str, dict[str, dict]] = {}
-        for cgid, path, name, identity in entries:
-            # Fresh check, so a cgroup removed since it was resolved is not listed.
-            if path is not None and self._cgroups.id_of(path) == cgid:
-                cgroups.setdefault(name, set()).add(path)
-                details = identity.details()
-                if details:
-                    identities.setdefault(name, {})[path] = details
-        out = []
-        for service in sorted(seen, key=lambda s: s.name):
-            if service == KERNEL:
-                kthreads = self._kernel_threads()
-                out.append({"name": service.name, "source": service.source, "cgroups": [],
-                            "tasks": len(kthreads), "processes": len(kthreads), "commands": []})
-                continue
-            paths = sorted(cgroups.get(service.name, ()))
-            pids = sorted({pid for p in paths for pid in self._cgroups.pids(p)})
-            record = {
-                "name": service.name,
-                "source": service.source,
-                "cgroups": paths,
-                "tasks": sum(self._cgroups.threads(p) for p in paths),
-                "processes": len(pids),
-                "commands": self._process_info(pids),
-            }
-            found = identities.get(service.name)
-            if found:
-                record["identity"] = [found[p] for p in sorted(found)]
-            out.append(record)
-        return out
-
-    def _kernel_threads(self) -> list[int]:
-        return kernel_thread_tids(self._proc)
+            return (list(self._seen.values()),
+                    [(cgid, e.path, e.service.name, e.identity) for cgid, e in self._cache.items()])
 
     def _name(self, path: str, identity: Identity) -> Service:
         procs: list[int] | None = None
@@ -335,7 +281,7 @@ class ServiceResolver:
                 continue
             if rule.pid is not None or rule.comm is not None:
                 if procs is None:
-                    procs = self._cgroups.pids(path)
+                    procs = self.cgroup_paths.pids(path)
                 if rule.pid is not None and rule.pid not in procs:
                     continue
                 if rule.comm is not None and not any(
@@ -349,7 +295,7 @@ class ServiceResolver:
         # Lazily, so a match on the first process spares reading the rest.
         for pid in pids:
             try:
-                yield (self._proc / str(pid) / "comm").read_text(errors="replace").rstrip("\n")
+                yield (self.proc_root / str(pid) / "comm").read_text(errors="replace").rstrip("\n")
             except OSError:
                 continue  # the process exited between cgroup.procs and here
 

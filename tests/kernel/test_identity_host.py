@@ -23,6 +23,7 @@ import pytest
 from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths
 from agent.probe.mounts import find_cgroup2_mount
+from agent.identity.listing import describe
 from agent.identity.services import Service, ServiceResolver
 
 pytestmark = pytest.mark.kernel
@@ -136,7 +137,7 @@ def test_resolver_applies_rules_to_a_real_cgroup(
 
     by_comm = ServiceResolver([ServiceRule(name="sleepers", comm="sleep")], paths)
     assert by_comm.resolve(cgid) == Service("sleepers", "config")
-    [described] = by_comm.describe()
+    [described] = describe(by_comm)
     assert {k: described[k] for k in ("name", "source", "cgroups", "tasks", "processes")} == \
         {"name": "sleepers", "source": "config", "cgroups": [rel], "tasks": 1, "processes": 1}
     assert [(c["pid"], c["comm"]) for c in described["commands"]] == [(proc.pid, "sleep")]
@@ -174,7 +175,7 @@ def test_removed_cgroup_becomes_unknown(mount: Path) -> None:
     assert paths.id_of("/" + cgroup.name) is None
     now[0] += 61.0  # the path map is rebuilt, the resolver's cache swept
     assert resolver.service_of(cgid) == "unknown"
-    assert resolver.describe() == [
+    assert describe(resolver) == [
         {"name": "/" + cgroup.name, "source": "cgroup", "cgroups": [], "tasks": 0, "processes": 0,
          "commands": []}
     ]

@@ -30,12 +30,22 @@ def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     (["--interval", "0.0001"], "--interval must be a number of seconds from 0.1 to 60"),
     (["--interval", "0"], "--interval must be a number of seconds from 0.1 to 60"),
     (["--interval=-inf"], "--interval must be a number of seconds from 0.1 to 60"),
+    (["--interval", "5", "--retention", "2"], "--retention must be a number of seconds from the interval (5 s)"),
 ])
 def test_bad_durations_are_one_sentence(flags, says):
     r = run_cli("run", "--listen", "127.0.0.1:0", *flags)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert says in r.stderr
+
+
+def test_an_interval_longer_than_the_files_retention_names_the_file(tmp_path: Path):
+    config = tmp_path / "slatrace.yaml"
+    config.write_text("retention: 30\n")
+    r = run_cli("run", "--listen", "127.0.0.1:0", "--config", str(config), "--interval", "60")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"retention in {config} must be a number of seconds from the interval (60 s)" in r.stderr
 
 
 BOMB = """\

@@ -11,7 +11,8 @@ from types import MappingProxyType
 
 import pytest
 
-from agent.attribution.attribution import attribution, blame, blame_from_totals, service_record
+from agent.attribution.attribution import attribution, service_record
+from agent.attribution.blame import blame, blame_from_totals
 from agent.attribution.breaches import SloBreaches
 from agent.config import Slo
 from agent.probe.snapshot import Bucket, PairCounters

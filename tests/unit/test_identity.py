@@ -18,6 +18,7 @@ from agent.identity.cgroups import (
     cgroup_glob_regex,
     find_cgroup2_mount,
 )
+from agent.identity.listing import describe
 from agent.identity.services import Service, ServiceResolver
 
 HYBRID_MOUNTS = """\
@@ -252,7 +253,6 @@ def fake_processes(pids: list[int]) -> list[dict]:
 
 def resolver(tree: dict, rules: list[ServiceRule], **kw) -> ServiceResolver:
     paths = CgroupPaths(tree["root"], clock=tree["clock"])
-    kw.setdefault("process_info", fake_processes)
     return ServiceResolver(rules, paths, proc_root=tree["proc"], clock=tree["clock"], **kw)
 
 
@@ -354,7 +354,7 @@ def test_max_services_overflow_goes_to_other(tree: dict) -> None:
     # Names already seen keep their name; configured names are never folded.
     assert r.service_of(ids["/batch"]) == "/batch"
     assert r.service_of(ids["/web"]) == "nginx"
-    assert [s["name"] for s in r.describe()] == ["/batch", "host", "nginx", "other"]
+    assert [s["name"] for s in describe(r, fake_processes)] == ["/batch", "host", "nginx", "other"]
 
 
 def test_max_services_counts_forgotten_names_out(tree: dict) -> None:
@@ -368,7 +368,7 @@ def test_max_services_counts_forgotten_names_out(tree: dict) -> None:
     assert r.service_of(ids["/batch"]) == "other"   # keeps "other" alive, not "host"
     clock.now += 120                                # host unseen for 170 s, "other" for 120 s
     r.service_of(ids["/batch/etl"])                 # a resolve sweeps; both names are gone
-    assert [s["name"] for s in r.describe()] == ["/batch/etl"]
+    assert [s["name"] for s in describe(r, fake_processes)] == ["/batch/etl"]
     assert r.service_of(ids["/batch"]) == "other"
 
 
@@ -382,7 +382,7 @@ def test_describe(tree: dict) -> None:
         r.service_of(ids[path])
     r.service_of(0)
     r.service_of(424242)
-    assert r.describe() == [
+    assert describe(r, fake_processes) == [
         {"name": "batch", "source": "config", "cgroups": ["/batch", "/batch/etl"], "tasks": 7,
          "processes": 2, "commands": fake_processes([300, 301])},
         {"name": "host", "source": "host", "cgroups": ["/"], "tasks": 5,
@@ -397,7 +397,7 @@ def test_describe(tree: dict) -> None:
     for f in pod.iterdir():
         f.unlink()
     pod.rmdir()
-    assert r.describe()[2] == {"name": "vllm", "source": "config", "cgroups": [], "tasks": 0,
+    assert describe(r, fake_processes)[2] == {"name": "vllm", "source": "config", "cgroups": [], "tasks": 0,
                                "processes": 0, "commands": []}
 
 

@@ -11,6 +11,7 @@ from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames, docker_container_id
 from agent.identity.kubernetes import PodIndex, PodWatcher
+from agent.identity.listing import describe
 from agent.identity.services import Service, ServiceResolver, identify
 from agent.identity.systemd import systemd_unit
 from tests.support.fake_host import make_cgroup_dir
@@ -68,7 +69,7 @@ def test_resolver_sources_and_systemd_rule(tmp_path: Path) -> None:
         ["/", "/system.slice/nginx.service", "/system.slice/cron.service",
          f"/system.slice/docker-{CID}.scope", "/batch/etl"])}
     r = ServiceResolver([ServiceRule(name="web-tier", systemd_unit="nginx.*")], CgroupPaths(root),
-                        docker=DockerNames(tmp_path / "docker"), process_info=lambda pids: [])
+                        docker=DockerNames(tmp_path / "docker"))
     assert r.resolve(ids["/"]) == Service("host", "host")
     assert r.resolve(ids["/system.slice/nginx.service"]) == Service("web-tier", "config")
     assert r.resolve(ids["/system.slice/cron.service"]) == Service("cron.service", "systemd")
@@ -83,7 +84,7 @@ def test_vanished_services_are_dropped_after_retention(tmp_path: Path) -> None:
     gone_id = make_cgroup_dir(root, "/gone", [5])
     stay_id = make_cgroup_dir(root, "/stay", [6])
     r = ServiceResolver([], CgroupPaths(root, clock=lambda: now[0]), retention_s=120.0,
-                        process_info=lambda pids: [], clock=lambda: now[0])
+                        clock=lambda: now[0])
     r.service_of(gone_id)
     r.service_of(stay_id)
     for f in (root / "gone").iterdir():
@@ -92,10 +93,10 @@ def test_vanished_services_are_dropped_after_retention(tmp_path: Path) -> None:
     for _ in range(3):  # the live one keeps being resolved every interval
         now[0] += 61
         r.service_of(stay_id)
-    assert [s["name"] for s in r.describe()] == ["/stay"]
+    assert [s["name"] for s in describe(r)] == ["/stay"]
     # Still listed within the retention window.
     r2 = ServiceResolver([], CgroupPaths(root, clock=lambda: now[0]), retention_s=900.0,
-                         process_info=lambda pids: [], clock=lambda: now[0])
+                         clock=lambda: now[0])
     again = make_cgroup_dir(root, "/gone", [5])
     r2.service_of(again)
     for f in (root / "gone").iterdir():
@@ -103,7 +104,7 @@ def test_vanished_services_are_dropped_after_retention(tmp_path: Path) -> None:
     (root / "gone").rmdir()
     now[0] += 200
     r2.service_of(stay_id)
-    assert "/gone" in [s["name"] for s in r2.describe()]
+    assert "/gone" in [s["name"] for s in describe(r2)]
 
 
 def test_pod_watcher_is_optional(monkeypatch) -> None:

@@ -18,6 +18,7 @@ import pytest
 from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex, parse_kubepods_path, pod_info, workload_name
+from agent.identity.listing import describe
 from agent.identity.services import Service, ServiceResolver, identify
 from tests.support.fake_host import make_cgroup_dir
 
@@ -125,21 +126,21 @@ def test_resolver_names_pods_and_applies_k8s_rules(tmp_path: Path, index: PodInd
         ServiceRule(name="never", k8s_namespace="cache", k8s_container="sidecar"),
     ]
     clock = [0.0]
-    r = ServiceResolver(rules, CgroupPaths(root), pods=index, process_info=lambda pids: [],
+    r = ServiceResolver(rules, CgroupPaths(root), pods=index,
                         clock=lambda: clock[0])
     names = {path: r.resolve(cgid) for path, cgid in ids.items()}
     assert names[ROWS[0][0]] == Service("llm-server", "config")     # the vllm container
     assert names[ROWS[1][0]] == Service("inference/vllm", "k8s")    # its metrics sidecar
     assert names[ROWS[2][0]] == Service("cache/redis", "k8s")
     assert names[ROWS[3][0]] == Service("exporters", "config")
-    listed = {s["name"]: s for s in r.describe()}
+    listed = {s["name"]: s for s in describe(r, lambda pids: [])}
     assert listed["cache/redis"]["identity"] == [{
         "pod_uid": BY_NAME["redis-0"]["metadata"]["uid"], "namespace": "cache", "pod": "redis-0",
         "workload": "redis", "container": "redis", "container_id": ROWS[2][0].split("crio-")[1][:-6],
         "runtime": "cri-o", "qos": "guaranteed"}]
     # A pod object arriving later renames its cgroups at once (the index changed).
     late = PodIndex()
-    r2 = ServiceResolver([], CgroupPaths(root), pods=late, process_info=lambda pids: [],
+    r2 = ServiceResolver([], CgroupPaths(root), pods=late,
                          clock=lambda: clock[0])
     redis_id = ids[ROWS[2][0]]
     assert r2.service_of(redis_id).startswith("pod/")

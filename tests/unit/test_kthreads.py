@@ -4,6 +4,7 @@ from pathlib import Path
 
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kthreads import PF_KTHREAD, kernel_thread_tids, stat_flags
+from agent.identity.listing import describe
 from agent.identity.services import ServiceResolver
 from agent.probe.snapshot import KERNEL_CGID
 
@@ -34,7 +35,7 @@ def test_kernel_pseudo_cgroup_is_the_kernel_service(tmp_path):
     resolver = ServiceResolver([], CgroupPaths(tmp_path), proc_root=proc)
     assert resolver.resolve(KERNEL_CGID).name == "kernel"
     assert resolver.resolve(KERNEL_CGID).source == "kernel"
-    assert resolver.describe() == [{"name": "kernel", "source": "kernel", "cgroups": [], "tasks": 1,
+    assert describe(resolver) == [{"name": "kernel", "source": "kernel", "cgroups": [], "tasks": 1,
                                     "processes": 1, "commands": []}]
 
 
