@@ -53,14 +53,15 @@ def map_bytes(m: MapShape, cpus: int) -> int:
     hash:         (entries + CPUs) x (48 + round8(key) + round8(value)) + buckets
                   (a preallocated hash keeps one spare element per CPU)
     LRU hash:     entries x (48 + round8(key) + round8(value)) + buckets
-    arrays:       entries x round8(value) (x CPUs when per-CPU)
+    arrays:       entries x round8(value)
+    per-CPU array: entries x (8 + round8(value) x CPUs)   (a pointer per entry)
     ring buffer:  max_entries is its size in bytes
     """
     n = m.max_entries
     if m.type in RINGBUF:
         return n
     if m.type in PERCPU_ARRAY:
-        return n * round8(m.value_size) * cpus
+        return n * (8 + round8(m.value_size) * cpus)
     if m.type in ARRAY:
         return n * round8(m.value_size)
     buckets = (1 << max(n - 1, 0).bit_length()) * BUCKET

@@ -203,7 +203,7 @@ class Bench:
         self.workloads = (workloads.hackbench(args.hackbench_groups, args.hackbench_loops),
                           workloads.pipe(args.pipe_loops, pin))
         if args.pin:
-            self.workloads += (workloads.hackbench(args.hackbench_groups, args.hackbench_loops // 2, pin),)
+            self.workloads += (workloads.hackbench(args.hackbench_groups, args.hackbench_loops * 3 // 10, pin),)
         self.notes: list[str] = []
         self._starts = 0
         self.cpu: dict[str, float] = {}   # CPU seconds of each workload in the last measure()

@@ -45,9 +45,16 @@ class Workload:
 
 def hackbench(groups: int, loops: int, cpu: int | None = None) -> Workload:
     """On every CPU, or pinned to one: then, like the pinned pipe, its tasks
-    run one at a time and its slowdown is what the tools cost it."""
-    name = "hackbench" if cpu is None else "hackbench (pinned)"
-    return Workload(name, "s", (*_pin(cpu), "hackbench", "-g", str(groups), "-l", str(loops)), 1e9)
+    run one at a time and its slowdown is what the tools cost it. Pinned, it
+    sends 8 KiB messages through pipes: with hackbench's default 100-byte
+    messages over sockets one CPU's tasks switch only ~6,000 times a second
+    (a sender fills the buffers for a whole slice), so a tool's cost per switch
+    drowns in the run-to-run noise; 8 KiB pipe messages block every few
+    messages, ~45,000 switches a second."""
+    if cpu is None:
+        return Workload("hackbench", "s", ("hackbench", "-g", str(groups), "-l", str(loops)), 1e9)
+    return Workload("hackbench (pinned)", "s",
+                    (*_pin(cpu), "hackbench", "--pipe", "-s", "8192", "-g", str(groups), "-l", str(loops)), 1e9)
 
 
 def pipe(loops: int, cpu: int | None = None) -> Workload:

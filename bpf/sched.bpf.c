@@ -27,6 +27,7 @@ BPF_TABLE("lru_hash", u32, struct task_info, tasks, MAX_TASKS);
  * with a thousand services cannot afford. */
 BPF_TABLE("hash", struct hist_key, struct hist_val, hists, MAX_HIST);
 BPF_TABLE("hash", struct blame_key, struct blame_val, blame, MAX_BLAME);
+BPF_TABLE("percpu_array", u32, struct blame_slot, blame_cache, 2 * BLAME_CACHE);
 BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
 BPF_TABLE("array", u32, struct ctl, ctl, 1);
@@ -71,7 +72,7 @@ static __always_inline u32 hist_slot(u64 v)
 /* Adds n and v to fields `field` and `field + 1` of the cgroup's counters
  * (field + 1 only when it is a loss pair). A full cgroups map leaves only the
  * global error count. */
-static __always_inline void cgroup_add(u64 cgid, u32 gen, u32 field, u64 v)
+static __always_inline void cgroup_add_n(u64 cgid, u32 gen, u32 field, u64 n, u64 v)
 {
     struct cgroup_key key = {.cgid = cgid, .gen = gen};
     struct cgroup_val zero = {};
@@ -82,11 +83,16 @@ static __always_inline void cgroup_add(u64 cgid, u32 gen, u32 field, u64 v)
     }
     u64 *f = (u64 *)val;
     if (field >= CG_LOST_RUNQ && field + 1 < CG_FIELDS) {
-        __sync_fetch_and_add(&f[field], 1);
+        __sync_fetch_and_add(&f[field], n);
         __sync_fetch_and_add(&f[field + 1], v);
     } else if (field < CG_FIELDS) {
-        __sync_fetch_and_add(&f[field], 1);
+        __sync_fetch_and_add(&f[field], n);
     }
+}
+
+static __always_inline void cgroup_add(u64 cgid, u32 gen, u32 field, u64 v)
+{
+    cgroup_add_n(cgid, gen, field, 1, v);
 }
 
 static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
@@ -103,18 +109,47 @@ static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
     __sync_fetch_and_add(&val->sum_ns, v);
 }
 
-static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
+static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wait)
 {
-    struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
     struct blame_val zero = {};
-    struct blame_val *val = blame.lookup_or_try_init(&key, &zero);
+    struct blame_val *val = blame.lookup_or_try_init(key, &zero);
     if (!val) {
         count_error(ERR_PAIR);
-        cgroup_add(victim, gen, CG_LOST_BLAME, wait);
+        cgroup_add_n(key->victim_cgid, key->gen, CG_LOST_BLAME, count, wait);
         return;
     }
-    __sync_fetch_and_add(&val->count, 1);
+    __sync_fetch_and_add(&val->count, count);
     __sync_fetch_and_add(&val->wait_ns, wait);
+}
+
+/* Adds one wait to the pair's entry of this CPU's blame_cache (see sched.h).
+ * Programs that touch the cache run with interrupts off on their CPU (the
+ * scheduler's wakeup and switch paths), so plain adds are safe; a pair that
+ * finds its entry taken flushes the other pair to the shared map first. */
+static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
+{
+    u64 h = (victim * 0x9E3779B97F4A7C15ULL) ^ (culprit * 0xC2B2AE3D27D4EB4FULL) ^ kind;
+    u32 idx = (gen & 1) * BLAME_CACHE + (u32)(h >> 58) % BLAME_CACHE;
+    struct blame_slot *e = blame_cache.lookup(&idx);
+    if (!e) {
+        struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
+        blame_flush(&key, 1, wait);
+        return;
+    }
+    if (e->val.count) {
+        if (e->key.victim_cgid == victim && e->key.culprit_cgid == culprit && e->key.kind == kind) {
+            e->val.count++;
+            e->val.wait_ns += wait;
+            return;
+        }
+        blame_flush(&e->key, e->val.count, e->val.wait_ns);
+    }
+    e->key.victim_cgid = victim;
+    e->key.culprit_cgid = culprit;
+    e->key.kind = kind;
+    e->key.gen = gen;
+    e->val.count = 1;
+    e->val.wait_ns = wait;
 }
 
 static __always_inline bool rate_ok(u64 now)
@@ -296,7 +331,8 @@ RAW_TRACEPOINT_PROBE(sched_switch)
         st = TS_BLOCKED;
     else
         st = TS_SLEEPING;
-    return on_switch(task_pid(ctx->args[1]), task_pid(ctx->args[2]), st);
+    /* prev is the current task here: its pid comes from a helper, not a read. */
+    return on_switch((u32)bpf_get_current_pid_tgid(), task_pid(ctx->args[2]), st);
 }
 
 RAW_TRACEPOINT_PROBE(sched_wakeup)

@@ -101,6 +101,19 @@ struct blame_val {
     __u64 wait_ns;         /* their run-queue wait */
 };
 
+/* Per-CPU write-combining in front of the blame map: most switch-ins on a
+ * CPU blame the same few (victim, culprit) pairs, so they add into a small
+ * direct-mapped per-CPU table without atomics and reach the shared map only
+ * when another pair takes their entry. BLAME_CACHE entries per generation
+ * (a power of two); entry `gen * BLAME_CACHE + i` belongs to generation gen,
+ * and the agent drains and zeroes the old generation's half with the maps. */
+#define BLAME_CACHE 64
+
+struct blame_slot {
+    struct blame_key key;  /* key.gen is the half's generation */
+    struct blame_val val;  /* count == 0: empty */
+};
+
 struct cgroup_key {
     __u64 cgid;
     __u32 gen;

@@ -41,6 +41,7 @@ EV_MIGRATE = 3
 # blame_key.kind
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1
+BLAME_CACHE = 64  # per-CPU blame_cache entries per generation
 # cgroup_val, in field order (CG_* are the indices)
 CGROUP_FIELDS = (
     "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
@@ -89,6 +90,10 @@ class BlameKey(ct.Structure):
 
 class BlameVal(ct.Structure):
     _fields_ = [("count", ct.c_uint64), ("wait_ns", ct.c_uint64)]
+
+
+class BlameSlot(ct.Structure):
+    _fields_ = [("key", BlameKey), ("val", BlameVal)]
 
 
 class CgroupKey(ct.Structure):

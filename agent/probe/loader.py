@@ -20,7 +20,7 @@ import agent
 from agent.probe.features import Features
 import numpy as np
 
-from agent.probe.layout import ERROR_MAPS, MAP_TYPES, TF_KTHREAD, TS_RUNNING, Ctl, TaskInfo
+from agent.probe.layout import BLAME_CACHE, ERROR_MAPS, MAP_TYPES, TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, TaskInfo
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
@@ -120,6 +120,9 @@ class Probe:
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "raw" or "classic" tracepoints
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
+        # One blame_cache entry on every possible CPU, read and cleared at once.
+        self._cache_buf = np.zeros(ncpu, np.dtype(BlameSlot))
+        self._cache_zero = np.zeros(ncpu, np.dtype(BlameSlot))
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto") -> "Probe":
@@ -220,7 +223,7 @@ class Probe:
         mono = monotonic_ns()
         wall = time.time()
         hist_keys, hist_vals = self._drain("hists", old)
-        blame_keys, blame_vals = self._drain("blame", old)
+        blame_keys, blame_vals = _sum_pairs(*self._drain("blame", old), *self._drain_blame_cache(old))
         cg_keys, cg_vals = self._drain("cgroups", old)
         return ProbeSnapshot(mono_ns=mono, wall=wall, hist_rows=_hist_rows(hist_keys, hist_vals),
                              blame_rows=_blame_rows(blame_keys, blame_vals),
@@ -265,6 +268,25 @@ class Probe:
         keys, vals = keys[mine], vals[mine]
         self._delete(name, keys)
         return keys, vals
+
+    def _drain_blame_cache(self, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs generation `gen` left in the per-CPU blame_cache (bpf/sched.h),
+        then that half zeroed for its next turn. Same grace period as the maps:
+        no program adds to this half any more. One lookup per entry, all CPUs at once."""
+        fd = self._bpf[b"blame_cache"].map_fd
+        slot_t = np.dtype(BlameSlot)
+        buf, found = self._cache_buf, []
+        for i in range(gen * BLAME_CACHE, (gen + 1) * BLAME_CACHE):
+            idx = ct.c_uint32(i)
+            if self._lib.bpf_lookup_elem(fd, ct.byref(idx), buf.ctypes.data) != 0:
+                raise OSError(ct.get_errno(), f"reading BPF map blame_cache: {os.strerror(ct.get_errno())}")
+            used = buf[buf["val"]["count"] != 0]
+            if len(used):
+                found.append(used.copy())
+                if self._lib.bpf_update_elem(fd, ct.byref(idx), self._cache_zero.ctypes.data, 0) != 0:
+                    raise OSError(ct.get_errno(), f"clearing BPF map blame_cache: {os.strerror(ct.get_errno())}")
+        rows = np.concatenate(found) if found else np.empty(0, slot_t)
+        return rows["key"], rows["val"]
 
     def _delete(self, name: str, keys: np.ndarray) -> None:
         fd = self._bpf[name.encode()].map_fd
@@ -335,6 +357,23 @@ def _rows(dtype: np.dtype, n: int, **columns: np.ndarray) -> np.ndarray:
 def _hist_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     return _rows(HIST_ROW, len(keys), cgid=keys["cgid"], kind=keys["kind"], slot=keys["slot"],
                  count=vals["count"], sum_ns=vals["sum_ns"])
+
+
+def _sum_pairs(keys: np.ndarray, vals: np.ndarray, more_keys: np.ndarray, more_vals: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Blame keys and values from the map and the per-CPU cache, one row per
+    (victim, culprit, kind): a pair can sit in both, and in several CPUs' caches."""
+    if not len(more_keys):
+        return keys, vals
+    keys = np.concatenate([keys, more_keys.astype(keys.dtype)])
+    vals = np.concatenate([vals, more_vals.astype(vals.dtype)])
+    cols = np.stack([keys["victim_cgid"], keys["culprit_cgid"], keys["kind"].astype(np.uint64)], axis=1)
+    uniq, first, inverse = np.unique(cols, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    out = np.zeros(len(uniq), vals.dtype)
+    for f in ("count", "wait_ns"):
+        np.add.at(out[f], inverse, vals[f])
+    return keys[first], out
 
 
 def _blame_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
