@@ -129,7 +129,8 @@ static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wa
 static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
 {
     u64 h = (victim * 0x9E3779B97F4A7C15ULL) ^ (culprit * 0xC2B2AE3D27D4EB4FULL) ^ kind;
-    u32 idx = (gen & 1) * BLAME_CACHE + (u32)(h >> 58) % BLAME_CACHE;
+    /* The product's high bits mix every input bit; BLAME_CACHE is a power of two. */
+    u32 idx = (gen & 1) * BLAME_CACHE + ((u32)(h >> 32) & (BLAME_CACHE - 1));
     struct blame_slot *e = blame_cache.lookup(&idx);
     if (!e) {
         struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
