@@ -150,7 +150,10 @@ def test_test_services_show_the_contention(run: Run) -> None:
             behind[r["metric"]["by_service"]] = behind.get(r["metric"]["by_service"], 0.0) + float(r["value"][1])
     total = run.prom.query(f'slatrace_runq_wait_seconds_total{{instance=~"{inst}", service="{VICTIM}"}}', at=run.at)
     assert sum(behind.values()) <= float(total[0]["value"][1]) * 1.001, (behind, total)
-    assert behind.get(HOGS, 0.0) >= 0.2 * sum(behind.values()), behind
+    # The two I/O writers (and the kworkers finishing their writes) wake up
+    # as often as the victim does, so the hogs' share varies from run to run
+    # (16-60% seen); a blame that lost them would put them near zero.
+    assert behind.get(HOGS, 0.0) >= 0.1 * sum(behind.values()), behind
     # Three CPU-bound hogs on two CPUs preempt one another at every tick.
     by = run.prom.query(f'sum by (by_service) (slatrace_preemptions_total{{instance=~"{inst}", '
                         f'service="{HOGS}"}})', at=run.at)
