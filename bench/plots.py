@@ -133,7 +133,7 @@ def cost(res: dict[str, Any], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tools = ("slatrace", "runqlat")
     workloads = list(res["total_cost"])
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(9, 4.2))
     width = 0.2
     for i, tool in enumerate(tools):
         total = [_ns(res["total_cost"][w]["wall"]["added_ns_per_switch"][tool]) for w in workloads]

@@ -60,7 +60,11 @@ def ratio_lines(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
 def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     out = ["| target | measured | limit | verdict |", "|---|---:|---:|---|"]
     for t in targets:
-        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "**FAIL**")
+        if t["pass"] is None:
+            # A ratio whose interval spans the limit: this run cannot tell.
+            verdict = "n/a" if t.get("interval") is None else "not resolved (interval spans the limit)"
+        else:
+            verdict = "PASS" if t["pass"] else "**FAIL**"
         out.append(f"| {t['name']} | {t['measured']} | {t['limit']} | {verdict} |")
     return out
 
@@ -147,6 +151,9 @@ def total_cost_table(res: dict[str, Any]) -> list[str]:
         k = [(alone.get(tool) or {}).get("all_programs_ns_per_switch") for tool in ("slatrace", "runqlat")]
         for kind, what in (("wall", "wall-clock slowdown"), ("cpu", "workload CPU time")):
             added, ratio = t[kind]["added_ns_per_switch"], _ratio(t[kind]["ratio"])
+            if t[kind].get("ratio_95"):
+                lo, hi = t[kind]["ratio_95"]
+                ratio += f" ({lo:.2f}–{hi:.2f})"
             if kind == t.get("judged"):
                 ratio = f"**{ratio}**"
             rows.append(f"| {label} | {t['switches']:.0f} | {what} | {_ns(added['slatrace'])} | "
@@ -194,7 +201,7 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
                          f"{_ratio(d['ratio'])}")
         out.append(f"| {config} | " + " | ".join(cells) + " |")
 
-    layout = (f"perf bench sched pipe pinned to CPU 1, each tool's processes to CPU {st.get('tool_cpu')}"
+    layout = (f"the pinned workloads on CPU 1, each tool's processes on CPU {st.get('tool_cpu')}"
               if st.get("pinned") else "nothing pinned")
     out += ["", "### Total cost: the workload's slowdown per context switch", "",
             f"The run with the tool minus the run with none of the same round (median over rounds: the host "
@@ -203,7 +210,11 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
             "per switch is the cost of a switch, the figure the targets are judged on (bold). Unpinned "
             "hackbench spreads over both CPUs and its wall time on this shared VM moves by more than the tools "
             "cost (it can even run faster with a tool attached): shown, not judged. CPU time is the user + "
-            "system time of all the workload's processes. The programs' own time per switch (kernel BPF stats, "
+            "system time of all the workload's processes. In brackets, the ratio's 95% interval from "
+            "resampling the rounds: a target passes when the whole interval is within it. Pinned hackbench "
+            "spends ~25 us per switch copying its 8 KiB messages and that time moves by ~15% from run to run, "
+            "several times what a tool adds, so its interval is wide; the ring switches between as many tasks "
+            "every ~6 us. The programs' own time per switch (kernel BPF stats, "
             "the rounds with one tool) is the third line; the rest is what the kernel pays around the program "
             "(tracepoint, record set-up).", ""]
     out += total_cost_table(res)

@@ -3,10 +3,13 @@
 hackbench (rt-tests) is many-to-many messaging between process groups: lots of
 wakeups and switches across both CPUs. `perf bench sched pipe` is two tasks
 ping-ponging a pipe: the switch path at its hottest, two context switches per
-operation. Pinned to one CPU (taskset), with the tools pinned to another, every
-switch the pipe makes runs the tools' programs on that CPU and nothing else
-competes with it, so the slowdown per operation is the cost per switch. Both
-print their own timing, which is what the throughput comparison uses.
+operation. The ring (bench/ring.c) passes a token through 160 tasks: as dense
+in switches as the pipe, but over as many tasks as hackbench's four groups, so
+the tools' per-task state is spread the way hackbench spreads it. Pinned to one
+CPU (taskset), with the tools pinned to another, every switch runs the tools'
+programs on that CPU and nothing else competes with it, so the slowdown per
+operation is the cost per switch. All print their own timing, which is what
+the throughput comparison uses.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import re
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.tools import run_bounded
 
@@ -57,6 +61,12 @@ def hackbench(groups: int, loops: int, cpu: int | None = None) -> Workload:
                     (*_pin(cpu), "hackbench", "--pipe", "-s", "8192", "-g", str(groups), "-l", str(loops)), 1e9)
 
 
+def ring(exe: Path, tasks: int, laps: int, cpu: int) -> Workload:
+    """The token ring, pinned: one switch per hop, tasks * laps hops."""
+    return Workload("ring (pinned)", "usecs/hop", (*_pin(cpu), str(exe), str(tasks), str(laps)),
+                    tasks * laps * 1e3)
+
+
 def pipe(loops: int, cpu: int | None = None) -> Workload:
     name = "pipe" if cpu is None else "pipe (pinned)"
     return Workload(name, "usecs/op", (*_pin(cpu), "perf", "bench", "sched", "pipe", "-l", str(loops)), loops * 1e3)
@@ -76,11 +86,11 @@ def context_switches() -> int:
 
 
 _HACKBENCH = re.compile(r"^Time:\s*([0-9.]+)\s*$", re.M)
-_PIPE = re.compile(r"([0-9.]+)\s+usecs/op")
+_PIPE = re.compile(r"([0-9.]+)\s+usecs/(?:op|hop)")
 
 
 def parse(name: str, output: str) -> float:
-    """hackbench: "Time: 1.418" (seconds); perf pipe: "9.05 usecs/op"."""
+    """hackbench: "Time: 1.418" (seconds); perf pipe: "9.05 usecs/op"; ring: "5.89 usecs/hop"."""
     m = (_HACKBENCH if name.startswith("hackbench") else _PIPE).search(output)
     if not m:
         raise RuntimeError(f"cannot find the result in the {name} output: {output[-300:]!r}")

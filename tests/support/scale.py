@@ -35,16 +35,17 @@ from tests.support.workload import PREFIX, _require_mount, remove_stale_cgroups,
 WORKER_SOURCE = Path(__file__).with_name("busy_worker.c")
 
 
-def compile_worker(directory: Path) -> Path:
-    """Build busy_worker.c into directory with the host's C compiler."""
+def compile_worker(directory: Path, source: Path = WORKER_SOURCE) -> Path:
+    """Build a one-file C program (busy_worker.c by default) into directory
+    with the host's C compiler; the executable is named after the source."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc) found: run 'make setup-test', which installs gcc")
-    exe = directory / "busy_worker"
-    res = subprocess.run([cc, "-O2", "-Wall", "-o", str(exe), str(WORKER_SOURCE)], capture_output=True,
+    exe = directory / source.stem
+    res = subprocess.run([cc, "-O2", "-Wall", "-o", str(exe), str(source)], capture_output=True,
                          text=True, timeout=60)
     if res.returncode != 0:
-        raise RuntimeError(f"cc could not build {WORKER_SOURCE.name}: {res.stderr.strip()}")
+        raise RuntimeError(f"cc could not build {source.name}: {res.stderr.strip()}")
     return exe
 
 

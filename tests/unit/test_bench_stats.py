@@ -1,0 +1,57 @@
+"""The bench's ring workload and how it judges a ratio of two noisy slowdowns."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import workloads
+from bench.run import RING_SOURCE, judge, ratio_interval
+from tests.support.scale import compile_worker
+
+
+def test_an_exact_ratio_has_a_point_interval() -> None:
+    rq = [1.0, 1.4, 0.9, 1.2, 1.1, 1.3]
+    assert ratio_interval([0.8 * x for x in rq], rq) == pytest.approx([0.8, 0.8])
+
+
+def test_the_interval_holds_the_ratio_and_widens_with_noise() -> None:
+    rng = random.Random(1)
+    rq = [1.0 + rng.gauss(0, 0.05) for _ in range(12)]
+    quiet = [0.7 + rng.gauss(0, 0.05) for _ in range(12)]
+    noisy = [0.7 + rng.gauss(0, 0.5) for _ in range(12)]
+    lo_q, hi_q = ratio_interval(quiet, rq)
+    lo_n, hi_n = ratio_interval(noisy, rq)
+    assert lo_q < 0.7 < hi_q and hi_q < 0.9
+    assert hi_n - lo_n > 2 * (hi_q - lo_q)
+
+
+def test_no_interval_from_too_few_rounds_or_a_slowdown_within_the_noise() -> None:
+    assert ratio_interval([1.0, 2.0], [1.0, 1.0]) is None
+    assert ratio_interval([1.0] * 6, [0.1, -0.2, 0.1, -0.3, 0.2, -0.1]) is None
+
+
+@pytest.mark.parametrize("interval, verdict", [([0.6, 0.85], True), ([0.95, 1.3], False), ([0.7, 1.1], None),
+                                               (None, True)])
+def test_a_target_passes_only_when_the_whole_interval_is_within_it(interval, verdict) -> None:
+    assert judge(0.8 if interval is None else sum(interval) / 2, interval, 0.9) is verdict
+
+
+def test_the_ring_switches_once_per_hop(tmp_path: Path) -> None:
+    """Counted by the kernel (/proc/stat ctxt), not by the ring itself."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: make setup-test installs gcc")
+    exe = compile_worker(tmp_path, RING_SOURCE)
+    w = workloads.ring(exe, tasks=16, laps=200, cpu=0)
+    before, t0 = workloads.context_switches(), time.monotonic()
+    usecs = w.run()
+    wall_ns = (time.monotonic() - t0) * 1e9
+    switches = workloads.context_switches() - before
+    assert switches >= 16 * 200
+    # The result times ns_per_unit is the ring's own duration: within the
+    # run's wall time, which adds only the forks and the compiler-free start.
+    assert 0.2 * wall_ns < usecs * w.ns_per_unit < wall_ns
