@@ -172,7 +172,9 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
         "",
         f"Command: `{m['command']}` — {st['rounds_done']} interleaved rounds "
         f"({st['rounds']} asked), {st['together_reps']} repetitions with both tools attached; workloads "
-        + ", ".join(f"`{cmd}`" for cmd in st["workloads"].values()) + f"; whole run {res['elapsed_s']:.0f} s.",
+        + ", ".join(f"`{cmd}`" for cmd in st["workloads"].values())
+        + (f" (the pinned ones {st['repeat']} times per tool start in the rounds, median kept)"
+           if st.get("repeat", 1) > 1 else "") + f"; whole run {res['elapsed_s']:.0f} s.",
         "",
     ]
     if res.get("notes"):

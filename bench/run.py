@@ -89,6 +89,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hackbench-loops", type=int, default=None, help="default 1000 (--quick 400)")
     p.add_argument("--pipe-loops", type=int, default=None,
                    help="perf bench sched pipe -l (default 300000, --quick 100000)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs of each pinned workload per tool start in the rounds, their median kept: fewer "
+                        "outliers for the judged ratios (default 3, --quick 1)")
     p.add_argument("--ring-tasks", type=int, default=160, help="tasks in the token ring (default %(default)s)")
     p.add_argument("--ring-laps", type=int, default=None,
                    help="laps of the token round the ring (default 1000, --quick 300)")
@@ -116,8 +119,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.hackbench_loops = args.hackbench_loops or (400 if args.quick else 1000)
     args.pipe_loops = args.pipe_loops or (100000 if args.quick else 300000)
     args.ring_laps = args.ring_laps or (300 if args.quick else 1000)
-    if args.ring_tasks < 2 or args.ring_laps < 1:
-        p.error("--ring-tasks must be at least 2 and --ring-laps at least 1")
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    if args.ring_tasks < 2 or args.ring_laps < 1 or args.repeat < 1:
+        p.error("--ring-tasks must be at least 2, --ring-laps and --repeat at least 1")
     args.write_md = (not args.quick) if args.write_md is None else args.write_md
     args.pin = args.pin and len(os.sched_getaffinity(0)) >= 2
     if args.rounds < 1:
@@ -243,11 +247,11 @@ class Bench:
                 print(f"bench: stopping {tool.name} (pid {tool.pid}) failed: {e}", file=sys.stderr)
 
     # -- measurement ---------------------------------------------------------
-    def measure(self, tools: list[Tool]) -> tuple[dict[str, float], dict[str, dict[str, dict[str, Counter]]],
-                                                  dict[str, int]]:
-        """Run every workload once; per workload its result, each tool's
-        program-counter deltas over exactly that run, and the host's context
-        switches during it."""
+    def measure(self, tools: list[Tool], repeat: int = 1
+                ) -> tuple[dict[str, float], dict[str, dict[str, dict[str, Counter]]], dict[str, int]]:
+        """Run every workload (the pinned ones `repeat` times); per workload
+        its median result, each tool's program-counter deltas summed over
+        exactly those runs, and the host's median context switches in a run."""
         results: dict[str, float] = {}
         deltas: dict[str, dict[str, dict[str, Counter]]] = {}
         switches: dict[str, int] = {}
@@ -255,9 +259,15 @@ class Bench:
         for w in self.workloads:
             self.stats.ensure()
             before = {t.name: t.counters.read() for t in tools}
-            ctxt = workloads.context_switches()
-            results[w.name], self.cpu[w.name] = w.run_timed()
-            switches[w.name] = workloads.context_switches() - ctxt
+            runs, cpus, ctxts = [], [], []
+            for _ in range(repeat if w.pinned else 1):
+                ctxt = workloads.context_switches()
+                result, cpu = w.run_timed()
+                ctxts.append(workloads.context_switches() - ctxt)
+                runs.append(result)
+                cpus.append(cpu)
+            results[w.name], self.cpu[w.name] = statistics.median(runs), statistics.median(cpus)
+            switches[w.name] = round(statistics.median(ctxts))
             after = {t.name: t.counters.read() for t in tools}
             deltas[w.name] = {t.name: bpfstats.delta(after[t.name], before[t.name]) for t in tools}
         return results, deltas, switches
@@ -308,7 +318,7 @@ class Bench:
                 rec["attach_s"] = tool.attach_seconds()
             time.sleep(SETTLE_S)
             cpu0 = tool.cpu_seconds()
-        results, deltas, switches = self.measure([tool] if tool else [])
+        results, deltas, switches = self.measure([tool] if tool else [], self.args.repeat)
         rec["workloads"] = results
         rec["switches"] = switches
         rec["workload_cpu_s"] = dict(self.cpu)
@@ -544,7 +554,7 @@ def run_cost(args: argparse.Namespace, possible: int, progress: Progress) -> dic
     rq = [r for r in records if r["config"] == "runqlat"]
     res.update({
         "settings": {"rounds": args.rounds, "rounds_done": len({r["round"] for r in records}), "quick": args.quick,
-                     "pinned": args.pin, "tool_cpu": bench.tool_cpu,
+                     "pinned": args.pin, "tool_cpu": bench.tool_cpu, "repeat": args.repeat,
                      "together_reps": together["reps"], "order": "rotated each round: " + ", ".join(CONFIGS),
                      "workloads": {w.name: " ".join(w.cmd) for w in bench.workloads}},
         "bpf_stats": {"previous": stats.previous, "reasserted": stats.reasserted},

@@ -31,6 +31,10 @@ class Workload:
     cmd: tuple[str, ...]
     ns_per_unit: float  # the result times this is the run's whole duration in ns
 
+    @property
+    def pinned(self) -> bool:
+        return self.cmd[0] == "taskset"
+
     def run(self) -> float:
         return self.run_timed()[0]
 
