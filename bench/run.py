@@ -89,6 +89,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hackbench-loops", type=int, default=None, help="default 1000 (--quick 400)")
     p.add_argument("--pipe-loops", type=int, default=None,
                    help="perf bench sched pipe -l (default 300000, --quick 100000)")
+    p.add_argument("--workloads", default=None, metavar="NAME,...",
+                   help="run only these: hackbench, pipe-pinned, hackbench-pinned, ring-pinned (default all; "
+                        "e.g. many rounds of one noisy workload)")
     p.add_argument("--repeat", type=int, default=None,
                    help="runs of each pinned workload per tool start in the rounds, their median kept: fewer "
                         "outliers for the judged ratios (default 3, --quick 1)")
@@ -120,6 +123,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.pipe_loops = args.pipe_loops or (100000 if args.quick else 300000)
     args.ring_laps = args.ring_laps or (300 if args.quick else 1000)
     args.repeat = args.repeat or (1 if args.quick else 3)
+    args.workloads = [x.strip() for x in args.workloads.split(",") if x.strip()] if args.workloads else None
     if args.ring_tasks < 2 or args.ring_laps < 1 or args.repeat < 1:
         p.error("--ring-tasks must be at least 2, --ring-laps and --repeat at least 1")
     args.write_md = (not args.quick) if args.write_md is None else args.write_md
@@ -222,6 +226,13 @@ class Bench:
             self.workloads += (workloads.hackbench(args.hackbench_groups, args.hackbench_loops * 3 // 10, pin),
                                workloads.ring(compile_worker(logdir, RING_SOURCE), args.ring_tasks, args.ring_laps,
                                               pin))
+        if args.workloads:
+            known = {w.slug for w in self.workloads}
+            unknown = sorted(set(args.workloads) - known)
+            if unknown:
+                raise SystemExit(f"bench: --workloads: no workload {', '.join(unknown)} in this layout "
+                                 f"(have {', '.join(sorted(known))})")
+            self.workloads = tuple(w for w in self.workloads if w.slug in args.workloads)
         self.notes: list[str] = []
         self._starts = 0
         self.cpu: dict[str, float] = {}   # CPU seconds of each workload in the last measure()
@@ -456,7 +467,9 @@ def judge(ratio: float | None, interval: list[float] | None, limit: float) -> bo
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for w, limit in TOTAL_COST_LIMITS.items():
-        wall = res["total_cost"].get(w, {}).get("wall", {})
+        if w not in res["total_cost"]:
+            continue      # not run (--workloads)
+        wall = res["total_cost"][w].get("wall", {})
         ratio, interval = wall.get("ratio"), wall.get("ratio_95")
         measured = report._ratio(ratio)
         if interval:
@@ -556,7 +569,7 @@ def run_cost(args: argparse.Namespace, possible: int, progress: Progress) -> dic
         "settings": {"rounds": args.rounds, "rounds_done": len({r["round"] for r in records}), "quick": args.quick,
                      "pinned": args.pin, "tool_cpu": bench.tool_cpu, "repeat": args.repeat,
                      "together_reps": together["reps"], "order": "rotated each round: " + ", ".join(CONFIGS),
-                     "workloads": {w.name: " ".join(w.cmd) for w in bench.workloads}},
+                     "workloads": {w.name: " ".join(w.cmd).replace(f"{logdir}/", "") for w in bench.workloads}},
         "bpf_stats": {"previous": stats.previous, "reasserted": stats.reasserted},
         "together": {"reps": together["reps"], "windows": together["windows"], "summary": together["summary"]},
         "alone": {"summary": summarize(alone)},

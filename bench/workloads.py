@@ -32,6 +32,11 @@ class Workload:
     ns_per_unit: float  # the result times this is the run's whole duration in ns
 
     @property
+    def slug(self) -> str:
+        """The name on the command line: "hackbench-pinned" for "hackbench (pinned)"."""
+        return self.name.replace(" (pinned)", "-pinned")
+
+    @property
     def pinned(self) -> bool:
         return self.cmd[0] == "taskset"
 

@@ -55,3 +55,10 @@ def test_the_ring_switches_once_per_hop(tmp_path: Path) -> None:
     # The result times ns_per_unit is the ring's own duration: within the
     # run's wall time, which adds only the forks and the compiler-free start.
     assert 0.2 * wall_ns < usecs * w.ns_per_unit < wall_ns
+
+
+def test_workloads_are_chosen_by_their_command_line_names(tmp_path: Path) -> None:
+    pinned = workloads.hackbench(4, 10, cpu=1)
+    assert (pinned.slug, pinned.pinned) == ("hackbench-pinned", True)
+    assert (workloads.hackbench(4, 10).slug, workloads.hackbench(4, 10).pinned) == ("hackbench", False)
+    assert workloads.pipe(10, cpu=1).slug == "pipe-pinned"
