@@ -28,14 +28,14 @@ RUNQLAT = "runqlat-bpfcc"
 RUNQLAT_PROGRAMS = {"sched_switch", "sched_wakeup", "sched_wakeup_new"}
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -71,7 +71,7 @@ def run_bounded(cmd: list[str], timeout: float) -> Finished:
     """Run to completion or kill the whole group after `timeout` seconds."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+                            start_new_session=True, preexec_fn=die_with_parent)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -62,3 +62,26 @@ def test_workloads_are_chosen_by_their_command_line_names(tmp_path: Path) -> Non
     assert (pinned.slug, pinned.pinned) == ("hackbench-pinned", True)
     assert (workloads.hackbench(4, 10).slug, workloads.hackbench(4, 10).pinned) == ("hackbench", False)
     assert workloads.pipe(10, cpu=1).slug == "pipe-pinned"
+
+
+def test_toggle_compares_each_tool_window_with_the_off_windows_beside_it() -> None:
+    from bench.toggle import added_per_switch
+
+    # 1,000 ns a switch with no tool (1e6/s); a tool window at 8e5/s costs 250 ns more a switch.
+    seq = [("off", 1e6), ("slatrace", 8e5), ("off", 1e6), ("runqlat", 5e5), ("off", 1e6), ("slatrace", 1e6)]
+    added = added_per_switch(seq)
+    assert added["slatrace"] == pytest.approx([250.0])     # the last window has no off window after it
+    assert added["runqlat"] == pytest.approx([1000.0])
+    # Drift cancels: off windows on either side at 1e6 and 5e5 average to 750,000/s.
+    assert added_per_switch([("off", 1e6), ("runqlat", 6e5), ("off", 5e5)])["runqlat"] == \
+        pytest.approx([(1 / 6e5 - 1 / 7.5e5) * 1e9])
+
+
+def test_toggle_ratio_interval_holds_the_ratio() -> None:
+    from bench.toggle import ratio_of_means
+
+    rng = random.Random(2)
+    a = [700 + rng.gauss(0, 300) for _ in range(500)]
+    b = [1000 + rng.gauss(0, 300) for _ in range(500)]
+    r, lo, hi = ratio_of_means(a, b)
+    assert lo < r < hi and lo < 0.7 < hi and hi - lo < 0.15

@@ -1,0 +1,185 @@
+"""`python -m bench.toggle`: the added cost per context switch of slatrace's
+probe and of runqlat-bpfcc's, within one long pinned run.
+
+Rounds of separate runs cannot judge a workload whose run time moves by more
+than the tools cost (pinned hackbench here: 1.5-2.6 s with no tool, ~0.1 s
+added). This loads both probes once — bpf/sched.bpf.c with the agent's own
+flags, and runqlat-bpfcc's program as it prints it with `--ebpf` — detaches
+them, starts one long pinned workload and attaches the raw tracepoints of
+each tool in turn for short windows: off, slatrace, off, runqlat, ... Each
+tool window's context-switch rate (/proc/stat ctxt) is compared with the off
+windows on either side, so the workload's slow drift cancels; the added
+cost per switch is 1/rate(tool) - 1/rate(off).
+
+It measures the kernel side only (the probe, not the agent's user space,
+which runs on another CPU), on raw tracepoints (the path both tools take
+where the kernel has BTF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.run import RING_SOURCE
+from bench.tools import RUNQLAT, die_with_parent
+from bench.workloads import context_switches
+from tests.support.scale import compile_worker
+
+SETTLE_S = 0.01       # after attaching, before the window opens
+BOOTSTRAP = 2000
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.toggle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=("hackbench", "ring"), default="hackbench",
+                   help="pinned hackbench --pipe -s 8192 -g 4, or the 160-task token ring (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=240.0, help="how long to measure (default %(default)s)")
+    p.add_argument("--window", type=float, default=0.05, help="window length in seconds (default %(default)s)")
+    p.add_argument("--cpu", type=int, default=1, help="CPU the workload is pinned to (default %(default)s; "
+                   "this process stays on another)")
+    args = p.parse_args(argv)
+    if args.seconds <= 0 or not 0.005 <= args.window <= 5:
+        p.error("--seconds must be positive and --window between 0.005 and 5")
+    return args
+
+
+def load_probes() -> dict[str, tuple[object, list[bytes]]]:
+    """Both tools' BPF objects, compiled and detached."""
+    # Imported here: python3-bpfcc is needed only where probes are loaded.
+    from bcc import BPF
+
+    from agent.probe import features, loader
+    feat = features.detect()
+    if not feat.task_layout:
+        raise SystemExit("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
+                         "raw tracepoints; nothing to compare here")
+    text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
+    objs = {"slatrace": BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(),
+                            cflags=loader.cflags(feat, loader.MapSizes(), "raw")),
+            "runqlat": BPF(text=text)}
+    out = {}
+    for name, b in objs.items():
+        tps = list(b.raw_tracepoint_fds)
+        if not tps:
+            raise SystemExit(f"bench.toggle: {name} attached no raw tracepoint: nothing to toggle")
+        for tp in tps:
+            b.detach_raw_tracepoint(tp=tp)
+        out[name] = (b, tps)
+    return out
+
+
+def set_attached(probe: tuple[object, list[bytes]], on: bool) -> None:
+    b, tps = probe
+    for tp in tps:
+        if on:
+            b.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
+        else:
+            b.detach_raw_tracepoint(tp=tp)
+
+
+def added_per_switch(seq: list[tuple[str, float]]) -> dict[str, list[float]]:
+    """ns added per switch in each tool window, against the mean rate of the
+    off windows on either side of it."""
+    out: dict[str, list[float]] = {}
+    for i in range(1, len(seq) - 1):
+        state, rate = seq[i]
+        before, after = seq[i - 1], seq[i + 1]
+        if state == "off" or before[0] != "off" or after[0] != "off" or rate <= 0:
+            continue
+        off = (before[1] + after[1]) / 2
+        out.setdefault(state, []).append((1 / rate - 1 / off) * 1e9)
+    return out
+
+
+def ratio_of_means(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """mean(a) / mean(b) and its 95% interval, resampling windows."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP):
+        den = statistics.fmean(rng.choices(b, k=len(b)))
+        if den > 0:
+            ratios.append(statistics.fmean(rng.choices(a, k=len(a))) / den)
+    ratios.sort()
+    if len(ratios) < BOOTSTRAP * 0.9:
+        return statistics.fmean(a) / statistics.fmean(b), float("nan"), float("nan")
+    return (statistics.fmean(a) / statistics.fmean(b), ratios[int(0.025 * len(ratios))],
+            ratios[int(0.975 * len(ratios)) - 1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench.toggle: run as root (it loads BPF programs)")
+    for tool in (RUNQLAT, "hackbench", "cc"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"bench.toggle: {tool} not found: run 'make setup-test'")
+    others = sorted(os.sched_getaffinity(0) - {args.cpu})
+    if not others:
+        raise SystemExit(f"bench.toggle: needs a CPU besides {args.cpu} for itself")
+    os.sched_setaffinity(0, {others[0]})
+    probes = load_probes()
+    with tempfile.TemporaryDirectory(prefix="slatrace-toggle-") as tmp:
+        pin = ["taskset", "-c", str(args.cpu)]
+        cmd = (pin + ["hackbench", "--pipe", "-s", "8192", "-g", "4", "-l", "1000000"]
+               if args.workload == "hackbench" else pin + [str(compile_worker(Path(tmp), RING_SOURCE)), "160",
+                                                           "100000000"])
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=die_with_parent)
+        cycle = ("off", "slatrace", "off", "runqlat")
+        seq: list[tuple[str, float]] = []
+        attached = None
+        try:
+            time.sleep(1.0)   # past the forks
+            end = time.monotonic() + args.seconds
+            i = 0
+            while time.monotonic() < end and proc.poll() is None:
+                state = cycle[i % len(cycle)]
+                i += 1
+                if state != "off":
+                    attached = probes[state]
+                    set_attached(attached, True)
+                    time.sleep(SETTLE_S)
+                c0, t0 = context_switches(), time.monotonic()
+                time.sleep(args.window)
+                c1, t1 = context_switches(), time.monotonic()
+                if attached:
+                    set_attached(attached, False)
+                    attached = None
+                seq.append((state, (c1 - c0) / (t1 - t0)))
+                if i % 400 == 0:
+                    print(f"[{args.seconds - (end - time.monotonic()):5.0f}s] {i} windows", flush=True)
+        finally:
+            if attached:
+                set_attached(attached, False)
+            # The whole group: hackbench's 160 children outlive a kill of its main process.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if proc.returncode not in (0, -9):
+        print(f"bench.toggle: the workload exited with {proc.returncode} before the end", file=sys.stderr)
+    added = added_per_switch(seq)
+    if not all(added.get(t) for t in ("slatrace", "runqlat")):
+        raise SystemExit("bench.toggle: too few windows: raise --seconds")
+    off = statistics.median(r for s, r in seq if s == "off")
+    print(f"workload: {' '.join(cmd)}; {args.window * 1e3:.0f} ms windows over {args.seconds:.0f} s; "
+          f"no tool: {off:.0f} switches/s ({1e9 / off:.0f} ns a switch)")
+    for tool in ("slatrace", "runqlat"):
+        v = added[tool]
+        print(f"{tool:9s} {len(v)} windows: added {statistics.fmean(v):.0f} ns per switch "
+              f"(median {statistics.median(v):.0f}, sd {statistics.pstdev(v):.0f})")
+    r, lo, hi = ratio_of_means(added["slatrace"], added["runqlat"])
+    print(f"slatrace / runqlat: {r:.2f}x (95%: {lo:.2f}-{hi:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
