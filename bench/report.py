@@ -57,6 +57,11 @@ def ratio_lines(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return rows
 
 
+def interval(iv: list[float] | None, prefix: str = "") -> str:
+    """" (0.74–0.92)" after a ratio, or "" without an interval."""
+    return f" ({prefix}{iv[0]:.2f}–{iv[1]:.2f})" if iv else ""
+
+
 def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     out = ["| target | measured | limit | verdict |", "|---|---:|---:|---|"]
     for t in targets:
@@ -151,9 +156,7 @@ def total_cost_table(res: dict[str, Any]) -> list[str]:
         k = [(alone.get(tool) or {}).get("all_programs_ns_per_switch") for tool in ("slatrace", "runqlat")]
         for kind, what in (("wall", "wall-clock slowdown"), ("cpu", "workload CPU time")):
             added, ratio = t[kind]["added_ns_per_switch"], _ratio(t[kind]["ratio"])
-            if t[kind].get("ratio_95"):
-                lo, hi = t[kind]["ratio_95"]
-                ratio += f" ({lo:.2f}–{hi:.2f})"
+            ratio += interval(t[kind].get("ratio_95"))
             if kind == t.get("judged"):
                 ratio = f"**{ratio}**"
             rows.append(f"| {label} | {t['switches']:.0f} | {what} | {_ns(added['slatrace'])} | "

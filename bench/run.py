@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import bpfstats, mapmem, plots, report, scale, workloads
+from bench import bpfstats, mapmem, plots, report, resample, scale, workloads
 from bench.bpfstats import BpfStatsSwitch, Counter
 from bench.tools import RUNQLAT, Runqlat, Slatrace, Tool
 from tests.support.scale import compile_worker
@@ -57,14 +57,12 @@ TOTAL_COST_LIMITS = {"pipe (pinned)": 0.9, "hackbench (pinned)": 1.0, "ring (pin
 # A judged ratio passes when its whole 95% interval (bootstrap over rounds) is
 # within the limit and fails when the whole interval is beyond it; an
 # interval across the limit is reported as not resolved by this run.
-BOOTSTRAP = 2000
 STARTUP_LIMIT_S = 1.5
 RSS_LIMIT = 64 << 20
 # The pinned layout: the pipe on one CPU, the tools' processes on another.
 PIPE_CPU, TOOL_CPU = 1, 0
 REQUIRED = ("hackbench", "perf", "bpftool", RUNQLAT)
 SECTIONS = ("cost", "scale")
-RING_SOURCE = ROOT / "bench" / "ring.c"
 PLOTS_DIR = ROOT / "docs" / "bench"
 
 
@@ -224,8 +222,8 @@ class Bench:
                           workloads.pipe(args.pipe_loops, pin))
         if args.pin:
             self.workloads += (workloads.hackbench(args.hackbench_groups, args.hackbench_loops * 3 // 10, pin),
-                               workloads.ring(compile_worker(logdir, RING_SOURCE), args.ring_tasks, args.ring_laps,
-                                              pin))
+                               workloads.ring(compile_worker(logdir, workloads.RING_SOURCE), args.ring_tasks,
+                                              args.ring_laps, pin))
         if args.workloads:
             known = {w.slug for w in self.workloads}
             unknown = sorted(set(args.workloads) - known)
@@ -435,21 +433,17 @@ def total_cost(records: list[dict[str, Any]], bench_workloads: tuple[workloads.W
 
 def ratio_interval(sla: list[float], rq: list[float]) -> list[float] | None:
     """95% interval of median(sla) / median(rq), the rounds' paired slowdowns,
-    by resampling rounds (seeded: the same records give the same interval)."""
+    resampling whole rounds; None from fewer than 3 rounds or when runqlat's
+    slowdown is within the noise."""
     if len(sla) < 3:
         return None
-    rng = random.Random(0)
     idx = range(len(sla))
-    ratios = []
-    for _ in range(BOOTSTRAP):
+
+    def draw(rng: random.Random) -> tuple[float, float]:
         pick = rng.choices(idx, k=len(sla))
-        den = statistics.median(rq[i] for i in pick)
-        if den > 0:
-            ratios.append(statistics.median(sla[i] for i in pick) / den)
-    if len(ratios) < BOOTSTRAP * 0.9:
-        return None       # runqlat's slowdown is within the noise: no interval
-    ratios.sort()
-    return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
+        return statistics.median(sla[i] for i in pick), statistics.median(rq[i] for i in pick)
+
+    return resample.ratio_interval(draw)
 
 
 def judge(ratio: float | None, interval: list[float] | None, limit: float) -> bool | None:
@@ -471,9 +465,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             continue      # not run (--workloads)
         wall = res["total_cost"][w].get("wall", {})
         ratio, interval = wall.get("ratio"), wall.get("ratio_95")
-        measured = report._ratio(ratio)
-        if interval:
-            measured += f" (95%: {interval[0]:.2f}–{interval[1]:.2f})"
+        measured = report._ratio(ratio) + report.interval(interval, "95%: ")
         out.append({"name": f"added cost per context switch on {w} (its slowdown), slatrace / runqlat",
                     "measured": measured, "limit": f"≤ {limit}x", "value": ratio, "interval": interval,
                     "pass": judge(ratio, interval, limit)})

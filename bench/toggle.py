@@ -30,13 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.run import RING_SOURCE
+from bench import resample, workloads
 from bench.tools import RUNQLAT, die_with_parent
-from bench.workloads import context_switches
 from tests.support.scale import compile_worker
 
 SETTLE_S = 0.01       # after attaching, before the window opens
-BOOTSTRAP = 2000
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -102,18 +100,14 @@ def added_per_switch(seq: list[tuple[str, float]]) -> dict[str, list[float]]:
 
 
 def ratio_of_means(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """mean(a) / mean(b) and its 95% interval, resampling windows."""
-    rng = random.Random(seed)
-    ratios = []
-    for _ in range(BOOTSTRAP):
+    """mean(a) / mean(b) and its 95% interval, resampling windows (nan
+    bounds when mean(b) is within the noise)."""
+    def draw(rng: random.Random) -> tuple[float, float]:
         den = statistics.fmean(rng.choices(b, k=len(b)))
-        if den > 0:
-            ratios.append(statistics.fmean(rng.choices(a, k=len(a))) / den)
-    ratios.sort()
-    if len(ratios) < BOOTSTRAP * 0.9:
-        return statistics.fmean(a) / statistics.fmean(b), float("nan"), float("nan")
-    return (statistics.fmean(a) / statistics.fmean(b), ratios[int(0.025 * len(ratios))],
-            ratios[int(0.975 * len(ratios)) - 1])
+        return statistics.fmean(rng.choices(a, k=len(a))), den
+
+    lo, hi = resample.ratio_interval(draw, seed) or (float("nan"), float("nan"))
+    return statistics.fmean(a) / statistics.fmean(b), lo, hi
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, {others[0]})
     probes = load_probes()
     with tempfile.TemporaryDirectory(prefix="slatrace-toggle-") as tmp:
-        pin = ["taskset", "-c", str(args.cpu)]
-        cmd = (pin + ["hackbench", "--pipe", "-s", "8192", "-g", "4", "-l", "1000000"]
-               if args.workload == "hackbench" else pin + [str(compile_worker(Path(tmp), RING_SOURCE)), "160",
-                                                           "100000000"])
+        # The pinned workloads of `make bench`, long enough to outlast the windows.
+        w = (workloads.hackbench(4, 1_000_000, args.cpu) if args.workload == "hackbench" else
+             workloads.ring(compile_worker(Path(tmp), workloads.RING_SOURCE), 160, 100_000_000, args.cpu))
+        cmd = list(w.cmd)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=die_with_parent)
         cycle = ("off", "slatrace", "off", "runqlat")
@@ -149,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     attached = probes[state]
                     set_attached(attached, True)
                     time.sleep(SETTLE_S)
-                c0, t0 = context_switches(), time.monotonic()
+                c0, t0 = workloads.context_switches(), time.monotonic()
                 time.sleep(args.window)
-                c1, t1 = context_switches(), time.monotonic()
+                c1, t1 = workloads.context_switches(), time.monotonic()
                 if attached:
                     set_attached(attached, False)
                     attached = None

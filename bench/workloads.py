@@ -22,6 +22,7 @@ from pathlib import Path
 from bench.tools import run_bounded
 
 TIMEOUT = 60.0
+RING_SOURCE = Path(__file__).with_name("ring.c")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import workloads
-from bench.run import RING_SOURCE, judge, ratio_interval
+from bench.run import judge, ratio_interval
 from tests.support.scale import compile_worker
 
 
@@ -45,7 +45,7 @@ def test_the_ring_switches_once_per_hop(tmp_path: Path) -> None:
     """Counted by the kernel (/proc/stat ctxt), not by the ring itself."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: make setup-test installs gcc")
-    exe = compile_worker(tmp_path, RING_SOURCE)
+    exe = compile_worker(tmp_path, workloads.RING_SOURCE)
     w = workloads.ring(exe, tasks=16, laps=200, cpu=0)
     before, t0 = workloads.context_switches(), time.monotonic()
     usecs = w.run()
