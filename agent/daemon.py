@@ -187,8 +187,11 @@ class Daemon:
                                          docker=DockerNames())
         self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
                                                features.cgroup2)
-        marked = self._probe.mark_kernel_threads(kernel_thread_tids())
-        log.info("%d kernel threads counted as service 'kernel'", marked)
+        if self._probe.mode == "raw":
+            log.info("kernel threads counted as service 'kernel' (recognised in the kernel)")
+        else:
+            marked = self._probe.mark_kernel_threads(kernel_thread_tids())
+            log.info("%d kernel threads counted as service 'kernel'", marked)
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()

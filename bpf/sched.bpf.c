@@ -1,14 +1,15 @@
 /* slatrace: per-cgroup scheduler accounting on the sched tracepoints.
  *
  * Two attachments share one state machine: raw tracepoints (RAW_TP) where the
- * kernel's BTF gives the offset of task_struct.pid, classic tracepoints
- * elsewhere. Neither reads a kernel struct through compiled-in headers: the
- * classic path takes its argument layout from the live tracefs format files,
- * the raw path reads only the pid, at an offset from the running kernel's BTF,
- * so the programs stay correct when compiled against another kernel's headers.
+ * kernel's BTF gives task_struct's layout, classic tracepoints elsewhere.
+ * Neither reads a kernel struct through compiled-in headers: the classic path
+ * takes its argument layout from the live tracefs format files, the raw path
+ * reads two task fields at offsets from the running kernel's BTF, so the
+ * programs stay correct when compiled against another kernel's headers.
  *
  * Compile-time options (-D, built and validated by agent/probe/features.py):
- *   RAW_TP, TASK_PID_OFF   raw tracepoints, and task_struct.pid's offset
+ *   RAW_TP        raw tracepoints, with TASK_PID_OFF and TASK_FLAGS_OFF, the
+ *                 offsets of task_struct.pid and .flags
  *   PREEMPT_BIT   sched_switch prev_state bit of an involuntary switch
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
@@ -18,14 +19,18 @@
  */
 #include "sched.h"
 
-/* Per-task state machine, keyed by tid. LRU so that exits we miss and PID
+/* Per-task state machine (task_key_t: the task's address on raw tracepoints,
+ * its tid on classic ones). LRU so that exits we miss and address or PID
  * reuse can never fill it. */
-BPF_TABLE("lru_hash", u32, struct task_info, tasks, MAX_TASKS);
+BPF_TABLE("lru_hash", task_key_t, struct task_info, tasks, MAX_TASKS);
 /* Counting maps, drained every interval (see sched.h). Shared between CPUs and
  * bumped with atomic adds: per-CPU values would multiply their memory by the
  * number of possible CPUs (64 x 16 bytes per histogram slot), which a node
  * with a thousand services cannot afford. */
 BPF_TABLE("hash", struct hist_key, struct hist_val, hists, MAX_HIST);
+BPF_TABLE("percpu_array", u32, struct hist_slot, hist_cache, 2 * HIST_CACHE);
+_Static_assert(HIST_CACHE >= HIST_SLOTS && !(HIST_CACHE & (HIST_CACHE - 1)),
+               "HIST_CACHE: a power of two that holds every slot of one cgroup");
 BPF_TABLE("hash", struct blame_key, struct blame_val, blame, MAX_BLAME);
 BPF_TABLE("percpu_array", u32, struct blame_slot, blame_cache, 2 * BLAME_CACHE);
 BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);
@@ -95,18 +100,47 @@ static __always_inline void cgroup_add(u64 cgid, u32 gen, u32 field, u64 v)
     cgroup_add_n(cgid, gen, field, 1, v);
 }
 
-static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
+static __always_inline void hist_flush(struct hist_key *key, u64 count, u64 sum)
 {
-    struct hist_key key = {.cgid = cgid, .slot = hist_slot(v), .kind = kind, .gen = gen};
     struct hist_val zero = {};
-    struct hist_val *val = hists.lookup_or_try_init(&key, &zero);
+    struct hist_val *val = hists.lookup_or_try_init(key, &zero);
     if (!val) {
         count_error(ERR_HIST);
-        cgroup_add(cgid, gen, kind == HIST_RUNQ ? CG_LOST_RUNQ : CG_LOST_IOWAIT, v);
+        cgroup_add_n(key->cgid, key->gen, key->kind == HIST_RUNQ ? CG_LOST_RUNQ : CG_LOST_IOWAIT, count, sum);
         return;
     }
-    __sync_fetch_and_add(&val->count, 1);
-    __sync_fetch_and_add(&val->sum_ns, v);
+    __sync_fetch_and_add(&val->count, count);
+    __sync_fetch_and_add(&val->sum_ns, sum);
+}
+
+/* Adds one wait to its slot's entry of this CPU's hist_cache (see sched.h).
+ * Same rules as blame_add below: interrupts are off on this CPU, so plain
+ * adds; a key that finds its entry taken flushes the other key first. */
+static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
+{
+    u32 slot = hist_slot(v);
+    u32 base = (u32)(((cgid ^ kind) * 0x9E3779B97F4A7C15ULL) >> 32);
+    u32 idx = (gen & 1) * HIST_CACHE + ((base + slot) & (HIST_CACHE - 1));
+    struct hist_slot *e = hist_cache.lookup(&idx);
+    if (!e) {
+        struct hist_key key = {.cgid = cgid, .slot = slot, .kind = kind, .gen = gen};
+        hist_flush(&key, 1, v);
+        return;
+    }
+    if (e->val.count) {
+        if (e->key.cgid == cgid && e->key.slot == slot && e->key.kind == kind) {
+            e->val.count++;
+            e->val.sum_ns += v;
+            return;
+        }
+        hist_flush(&e->key, e->val.count, e->val.sum_ns);
+    }
+    e->key.cgid = cgid;
+    e->key.slot = slot;
+    e->key.kind = kind;
+    e->key.gen = gen;
+    e->val.count = 1;
+    e->val.sum_ns = v;
 }
 
 static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wait)
@@ -153,6 +187,47 @@ static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen
     e->val.wait_ns = wait;
 }
 
+#ifdef RAW_TP
+/* Raw tracepoints pass task pointers: the tasks map is keyed by them, so the
+ * hot paths read nothing from the task. The pid and flags are read, at
+ * offsets from the running kernel's BTF (agent/probe/btf.py), only where a
+ * pid must leave the kernel (an event, a fork's parent) and at a task's first
+ * switch-out. */
+#define PF_KTHREAD 0x00200000           /* include/linux/sched.h, unchanged since 2.6 */
+
+static __always_inline u32 task_pid(u64 task)
+{
+    u32 pid = 0;
+    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)(task + TASK_PID_OFF));
+    return pid;
+}
+
+static __always_inline u32 key_tid(task_key_t key)
+{
+    return task_pid(key);
+}
+
+/* TF_KTHREAD for a kernel thread, read once, when its entry is created. */
+static __always_inline u32 current_flags(void)
+{
+    u32 flags = 0;
+    bpf_probe_read_kernel(&flags, sizeof(flags), (void *)(bpf_get_current_task() + TASK_FLAGS_OFF));
+    return (flags & PF_KTHREAD) ? TF_KTHREAD : 0;
+}
+#else
+static __always_inline u32 key_tid(task_key_t key)
+{
+    return (u32)key;
+}
+
+/* Kernel threads that existed before the programs were attached are marked
+ * by user space (Probe.mark_kernel_threads). */
+static __always_inline u32 current_flags(void)
+{
+    return 0;
+}
+#endif
+
 static __always_inline bool rate_ok(u64 now)
 {
     u32 zero = 0;
@@ -172,7 +247,7 @@ static __always_inline bool rate_ok(u64 now)
     return true;
 }
 
-static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u64 end, u64 other, u32 tid)
+static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u64 end, u64 other, task_key_t task)
 {
     if (!c.watch_on || !watched.lookup(&cgid) || !rate_ok(end))
         return;
@@ -185,28 +260,33 @@ static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u6
     e->other_cgid = other;
     e->start_ns = start;
     e->end_ns = end;
-    e->tid = tid;
+    e->tid = key_tid(task);
     e->kind = kind;
     events.ringbuf_submit(e, 0);
 }
 
 /* The state machine, shared by both attachments below. */
 
-static __always_inline int on_switch(u32 prev_pid, u32 next_pid, u32 out_state)
+/* prev and next are 0 for the idle task where the attachment knows it
+ * cheaply; an idle task's key is never in the map anyway. */
+static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_state)
 {
     u64 now = bpf_ktime_get_ns();
     struct ctl c = read_ctl();
     u64 next_cgid = 0;
 
     /* The current task is prev: the one that held the CPU until now. */
-    struct task_info *p = prev_pid ? tasks.lookup(&prev_pid) : NULL;
+    struct task_info *p = prev ? tasks.lookup(&prev) : NULL;
     u64 cgid = 0;
-    if (prev_pid)
-        cgid = (p && (p->flags & TF_KTHREAD)) ? KERNEL_CGID : bpf_get_current_cgroup_id();
+    u32 flags = 0;
+    if (prev) {
+        flags = p ? p->flags : current_flags();
+        cgid = (flags & TF_KTHREAD) ? KERNEL_CGID : bpf_get_current_cgroup_id();
+    }
 
-    /* Switch-in: the run-queue wait ends. pid 0 is the per-CPU idle task. */
-    if (next_pid) {
-        struct task_info *n = tasks.lookup(&next_pid);
+    /* Switch-in: the run-queue wait ends. */
+    if (next) {
+        struct task_info *n = tasks.lookup(&next);
         if (n) {
             next_cgid = n->cgid;
             u32 st = n->state;
@@ -218,7 +298,7 @@ static __always_inline int on_switch(u32 prev_pid, u32 next_pid, u32 out_state)
                 bool preempted = st == TS_PREEMPTED;
                 u64 culprit = preempted ? n->preemptor_cgid : cgid;
                 blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait);
-                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, n->ts, now, culprit, next_pid);
+                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, n->ts, now, culprit, next);
             } else if (st == TS_RUNNING) {
                 cgroup_add(next_cgid, c.gen, CG_UNTRACED_SWITCH_OUT, 0);
             } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
@@ -229,7 +309,7 @@ static __always_inline int on_switch(u32 prev_pid, u32 next_pid, u32 out_state)
         }
     }
 
-    if (!prev_pid || out_state == TS_EXITING)
+    if (!prev || out_state == TS_EXITING)
         return 0;         /* idle, or exiting: sched_process_exit dropped the entry */
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
@@ -242,15 +322,16 @@ static __always_inline int on_switch(u32 prev_pid, u32 next_pid, u32 out_state)
         p->state = out_state;
         return 0;
     }
-    struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state};
-    if (tasks.update(&prev_pid, &init))
+    struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state,
+                             .flags = flags};
+    if (tasks.update(&prev, &init))
         count_error(ERR_TASK);
     return 0;
 }
 
-static __always_inline int on_wakeup(u32 pid)
+static __always_inline int on_wakeup(task_key_t task)
 {
-    struct task_info *t = tasks.lookup(&pid);
+    struct task_info *t = tasks.lookup(&task);
     if (!t)
         return 0; /* never seen on a CPU: its cgroup is unknown */
     u32 st = t->state;
@@ -262,28 +343,28 @@ static __always_inline int on_wakeup(u32 pid)
     if (st == TS_BLOCKED) {
         struct ctl c = read_ctl();
         hist_add(t->cgid, c.gen, HIST_IOWAIT, now - t->ts);
-        emit(c, t->cgid, EV_IOWAIT, t->ts, now, 0, pid);
+        emit(c, t->cgid, EV_IOWAIT, t->ts, now, 0, task);
     }
     t->state = TS_RUNNABLE;
     t->ts = now;
     return 0;
 }
 
-static __always_inline int on_migrate(u32 pid)
+static __always_inline int on_migrate(task_key_t task)
 {
-    struct task_info *t = tasks.lookup(&pid);
+    struct task_info *t = tasks.lookup(&task);
     if (t) {
         struct ctl c = read_ctl();
         cgroup_add(t->cgid, c.gen, CG_MIGRATIONS, 0);
         u64 now = bpf_ktime_get_ns();
-        emit(c, t->cgid, EV_MIGRATE, now, now, 0, pid);
+        emit(c, t->cgid, EV_MIGRATE, now, now, 0, task);
     }
     return 0;
 }
 
 /* The child starts in its parent's cgroup; the parent is current here.
  * Children of kthreadd are kernel threads. */
-static __always_inline int on_fork(u32 parent, u32 child)
+static __always_inline int on_fork(u32 parent, task_key_t child)
 {
     struct task_info init = {.state = TS_SLEEPING};
     if (parent == KTHREADD_PID) {
@@ -300,21 +381,12 @@ static __always_inline int on_fork(u32 parent, u32 child)
 #ifdef RAW_TP
 /* Raw tracepoints: the kernel passes its own arguments (task pointers and
  * the raw task state) instead of filling a record first, which is most of
- * what a classic tracepoint costs on a context switch. The pid is read at
- * TASK_PID_OFF, the offset of task_struct.pid in the running kernel's BTF
- * (agent/probe/btf.py); nothing else is read from kernel memory. Raw states
+ * what a classic tracepoint costs on a context switch. Raw states
  * (include/linux/sched.h, stable since 4.14): */
 #define RAW_TASK_REPORT 0x7f           /* the bits the classic tracepoint reports */
 #define RAW_TASK_UNINTERRUPTIBLE 0x2
 #define RAW_TASK_DEAD 0x80
 #define RAW_TASK_NOLOAD 0x400           /* with UNINTERRUPTIBLE: TASK_IDLE, reported "I", not "D" */
-
-static __always_inline u32 task_pid(u64 task)
-{
-    u32 pid = 0;
-    bpf_probe_read_kernel(&pid, sizeof(pid), (void *)(task + TASK_PID_OFF));
-    return pid;
-}
 
 /* sched_switch(bool preempt, prev, next, unsigned int prev_state), kernels >= 5.18 */
 RAW_TRACEPOINT_PROBE(sched_switch)
@@ -332,34 +404,35 @@ RAW_TRACEPOINT_PROBE(sched_switch)
         st = TS_BLOCKED;
     else
         st = TS_SLEEPING;
-    /* prev is the current task here: its pid comes from a helper, not a read. */
-    return on_switch((u32)bpf_get_current_pid_tgid(), task_pid(ctx->args[2]), st);
+    /* prev is the current task; its pid from a helper says whether it is idle. */
+    task_key_t prev = (u32)bpf_get_current_pid_tgid() ? bpf_get_current_task() : 0;
+    return on_switch(prev, ctx->args[2], st);
 }
 
 RAW_TRACEPOINT_PROBE(sched_wakeup)
 {
-    return on_wakeup(task_pid(ctx->args[0]));
+    return on_wakeup(ctx->args[0]);
 }
 
 RAW_TRACEPOINT_PROBE(sched_wakeup_new)
 {
-    return on_wakeup(task_pid(ctx->args[0]));
+    return on_wakeup(ctx->args[0]);
 }
 
 RAW_TRACEPOINT_PROBE(sched_migrate_task)
 {
-    return on_migrate(task_pid(ctx->args[0]));
+    return on_migrate(ctx->args[0]);
 }
 
 RAW_TRACEPOINT_PROBE(sched_process_fork)
 {
-    return on_fork(task_pid(ctx->args[0]), task_pid(ctx->args[1]));
+    return on_fork(task_pid(ctx->args[0]), ctx->args[1]);
 }
 
 RAW_TRACEPOINT_PROBE(sched_process_exit)
 {
-    u32 pid = task_pid(ctx->args[0]);
-    tasks.delete(&pid);
+    task_key_t task = ctx->args[0];
+    tasks.delete(&task);
     return 0;
 }
 
@@ -408,7 +481,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
 
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
-    u32 pid = args->pid;
+    task_key_t pid = args->pid;
     tasks.delete(&pid);
     return 0;
 }

@@ -58,6 +58,11 @@
 #define EV_IOWAIT 2       /* uninterruptible sleep until wakeup */
 #define EV_MIGRATE 3      /* migration (start == end) */
 
+/* Key of the tasks map: the task_struct's address on raw tracepoints (the
+ * kernel hands programs the pointer, so no read is needed to find a task),
+ * its tid on classic ones. */
+typedef __u64 task_key_t;
+
 struct task_info {
     __u64 ts;              /* ns, CLOCK_MONOTONIC, when the current state began */
     __u64 cgid;            /* cgroup v2 id, remembered while the task was current */
@@ -82,6 +87,20 @@ struct hist_key {
 struct hist_val {
     __u64 count;
     __u64 sum_ns;          /* exact sum of the values that fell into this slot */
+};
+
+/* Per-CPU write-combining in front of the hists map, as blame_cache is in
+ * front of blame (below): a switch-in adds its wait to a direct-mapped
+ * per-CPU entry without an atomic or a hash lookup, and reaches the shared
+ * map only when another key takes the entry. A cgroup's slots sit at
+ * consecutive entries from a hash of (cgroup, kind), and HIST_CACHE exceeds
+ * HIST_SLOTS, so one busy cgroup never evicts its own slots; entry
+ * `gen * HIST_CACHE + i` belongs to generation gen. */
+#define HIST_CACHE 512
+
+struct hist_slot {
+    struct hist_key key;   /* key.gen is the half's generation */
+    struct hist_val val;   /* count == 0: empty */
 };
 
 /* blame_key.kind */

@@ -2,10 +2,12 @@
 
 Raw tracepoints hand a program `struct task_struct *` pointers instead of a
 record the kernel filled for it, which spares the cost of filling that record
-on every context switch. The program then reads the task's pid at an offset
-that differs between kernel builds: they are taken here from the
-running kernel's own type information (/sys/kernel/btf/vmlinux) and passed to
-the compiler as -D constants, so no kernel header is ever trusted for them.
+on every context switch. The programs key their task map by those pointers and
+read two task fields only off the hot path (the pid for events, the flags once
+per task), at offsets that differ between kernel builds: they are taken here
+from the running kernel's own type information (/sys/kernel/btf/vmlinux) and
+passed to the compiler as -D constants, so no kernel header is ever trusted
+for them.
 
 Only what is needed is decoded: struct members (name, bit offset) and the
 parameter count of the tracepoints' function prototypes (btf_trace_<name>),
@@ -40,6 +42,7 @@ class TaskLayout:
     """What the raw-tracepoint programs read, in bytes."""
 
     pid_offset: int        # task_struct.pid (pid_t)
+    flags_offset: int      # task_struct.flags (unsigned int, PF_*)
 
 
 class _Btf:
@@ -140,4 +143,5 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
     switch_args = _tracepoint_params(btf, "sched_switch")
     if switch_args is None or switch_args < 4:
         raise BtfError("sched_switch does not pass prev_state to raw tracepoints (kernel before 5.18)")
-    return TaskLayout(pid_offset=_member_offset(btf, "task_struct", "pid"))
+    return TaskLayout(pid_offset=_member_offset(btf, "task_struct", "pid"),
+                      flags_offset=_member_offset(btf, "task_struct", "flags"))

@@ -42,6 +42,7 @@ EV_MIGRATE = 3
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1
 BLAME_CACHE = 64  # per-CPU blame_cache entries per generation
+HIST_CACHE = 512  # per-CPU hist_cache entries per generation
 # cgroup_val, in field order (CG_* are the indices)
 CGROUP_FIELDS = (
     "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
@@ -81,6 +82,10 @@ class HistKey(ct.Structure):
 
 class HistVal(ct.Structure):
     _fields_ = [("count", ct.c_uint64), ("sum_ns", ct.c_uint64)]
+
+
+class HistSlot(ct.Structure):
+    _fields_ = [("key", HistKey), ("val", HistVal)]
 
 
 class BlameKey(ct.Structure):
@@ -125,7 +130,7 @@ class EventRate(ct.Structure):
 
 # map name -> (key type, value type) as declared in bpf/sched.bpf.c
 MAP_TYPES: dict[str, tuple[type, type]] = {
-    "tasks": (ct.c_uint32, TaskInfo),
+    "tasks": (ct.c_uint64, TaskInfo),  # task address (raw tracepoints) or tid (classic)
     "hists": (HistKey, HistVal),
     "blame": (BlameKey, BlameVal),
     "cgroups": (CgroupKey, CgroupVal),

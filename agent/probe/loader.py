@@ -20,7 +20,8 @@ import agent
 from agent.probe.features import Features
 import numpy as np
 
-from agent.probe.layout import BLAME_CACHE, ERROR_MAPS, MAP_TYPES, TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, TaskInfo
+from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, TF_KTHREAD, TS_RUNNING, BlameSlot,
+                                Ctl, HistSlot, TaskInfo)
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
@@ -94,10 +95,15 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
     if mode == "raw":
         values["RAW_TP"] = 1
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
+        values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
     for name, value in values.items():
         if not isinstance(value, int) or value < 0 or value >= 1 << 32:
             raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")
     return [f"-I{bpf_source_dir()}"] + [f"-D{k}={v:#x}" for k, v in values.items()]
+
+
+# Per-CPU write-combining caches -> (entries per generation, entry type).
+CACHES = {"hist_cache": (HIST_CACHE, HistSlot), "blame_cache": (BLAME_CACHE, BlameSlot)}
 
 
 def monotonic_ns() -> int:
@@ -120,9 +126,6 @@ class Probe:
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "raw" or "classic" tracepoints
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
-        # One blame_cache entry on every possible CPU, read and cleared at once.
-        self._cache_buf = np.zeros(ncpu, np.dtype(BlameSlot))
-        self._cache_zero = np.zeros(ncpu, np.dtype(BlameSlot))
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto") -> "Probe":
@@ -176,8 +179,12 @@ class Probe:
     def mark_kernel_threads(self, tids: list[int]) -> int:
         """Count these tasks under the kernel pseudo cgroup from now on. New
         kernel threads are recognised in the kernel (forked by kthreadd); this
-        covers the ones that existed before the programs were attached.
-        Returns how many were marked."""
+        covers the ones that existed before the programs were attached, on
+        classic tracepoints. Raw tracepoints key tasks by address, which user
+        space cannot name: there the programs read PF_KTHREAD when a task is
+        first seen, and nothing is marked here. Returns how many were marked."""
+        if self.mode == "raw":
+            return 0
         table = self._bpf[b"tasks"]
         marked = 0
         for tid in tids:
@@ -222,8 +229,10 @@ class Probe:
         time.sleep(GRACE_S)
         mono = monotonic_ns()
         wall = time.time()
-        hist_keys, hist_vals = self._drain("hists", old)
-        blame_keys, blame_vals = _sum_pairs(*self._drain("blame", old), *self._drain_blame_cache(old))
+        hist_keys, hist_vals = _sum_rows(*self._drain("hists", old), *self._drain_cache("hist_cache", old),
+                                         ("cgid", "kind", "slot"))
+        blame_keys, blame_vals = _sum_rows(*self._drain("blame", old), *self._drain_cache("blame_cache", old),
+                                           ("victim_cgid", "culprit_cgid", "kind"))
         cg_keys, cg_vals = self._drain("cgroups", old)
         return ProbeSnapshot(mono_ns=mono, wall=wall, hist_rows=_hist_rows(hist_keys, hist_vals),
                              blame_rows=_blame_rows(blame_keys, blame_vals),
@@ -269,23 +278,38 @@ class Probe:
         self._delete(name, keys)
         return keys, vals
 
-    def _drain_blame_cache(self, gen: int) -> tuple[np.ndarray, np.ndarray]:
-        """The pairs generation `gen` left in the per-CPU blame_cache (bpf/sched.h),
-        then that half zeroed for its next turn. Same grace period as the maps:
-        no program adds to this half any more. One lookup per entry, all CPUs at once."""
-        fd = self._bpf[b"blame_cache"].map_fd
-        slot_t = np.dtype(BlameSlot)
-        buf, found = self._cache_buf, []
-        for i in range(gen * BLAME_CACHE, (gen + 1) * BLAME_CACHE):
-            idx = ct.c_uint32(i)
-            if self._lib.bpf_lookup_elem(fd, ct.byref(idx), buf.ctypes.data) != 0:
-                raise OSError(ct.get_errno(), f"reading BPF map blame_cache: {os.strerror(ct.get_errno())}")
-            used = buf[buf["val"]["count"] != 0]
-            if len(used):
-                found.append(used.copy())
-                if self._lib.bpf_update_elem(fd, ct.byref(idx), self._cache_zero.ctypes.data, 0) != 0:
-                    raise OSError(ct.get_errno(), f"clearing BPF map blame_cache: {os.strerror(ct.get_errno())}")
-        rows = np.concatenate(found) if found else np.empty(0, slot_t)
+    def _drain_cache(self, name: str, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """The keys and values generation `gen` left in a per-CPU
+        write-combining cache (hist_cache, blame_cache: bpf/sched.h), one row
+        per used entry per CPU, then that half zeroed for its next turn. Same
+        grace period as the maps: no program adds to this half any more."""
+        entries, slot_t = CACHES[name]
+        fd = self._bpf[name.encode()].map_fd
+        first = gen * entries
+        index = np.arange(first, first + entries, dtype=np.uint32)
+        slots = np.zeros((entries, self._ncpu), np.dtype(slot_t))
+        # The batch token is the key before the first one wanted (none: from 0).
+        before, out, count = ct.c_uint32(first - 1), ct.c_uint32(0), ct.c_uint32(entries)
+        if self._lib.bpf_lookup_batch(fd, ct.byref(before) if first else None, ct.byref(out), index.ctypes.data,
+                                      slots.ctypes.data, ct.byref(count)) != 0 and count.value < entries:
+            err = ct.get_errno()
+            if err not in (errno.EINVAL, ENOTSUPP):
+                raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+            # Kernels before 5.6 have no batch lookup: one entry at a time.
+            for i in range(entries):
+                idx = ct.c_uint32(first + i)
+                if self._lib.bpf_lookup_elem(fd, ct.byref(idx), slots[i].ctypes.data) != 0:
+                    err = ct.get_errno()
+                    raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+        used = (slots["val"]["count"] != 0).any(axis=1)
+        zero = np.zeros(self._ncpu, np.dtype(slot_t))
+        for i in np.flatnonzero(used):
+            idx = ct.c_uint32(first + int(i))
+            if self._lib.bpf_update_elem(fd, ct.byref(idx), zero.ctypes.data, 0) != 0:
+                err = ct.get_errno()
+                raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
+        rows = slots[used].reshape(-1)
+        rows = rows[rows["val"]["count"] != 0]
         return rows["key"], rows["val"]
 
     def _delete(self, name: str, keys: np.ndarray) -> None:
@@ -359,19 +383,20 @@ def _hist_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
                  count=vals["count"], sum_ns=vals["sum_ns"])
 
 
-def _sum_pairs(keys: np.ndarray, vals: np.ndarray, more_keys: np.ndarray, more_vals: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """Blame keys and values from the map and the per-CPU cache, one row per
-    (victim, culprit, kind): a pair can sit in both, and in several CPUs' caches."""
+def _sum_rows(keys: np.ndarray, vals: np.ndarray, more_keys: np.ndarray, more_vals: np.ndarray,
+              fields: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Keys and values from a map and its per-CPU cache, one row per distinct
+    key `fields` (the generation aside): a key can sit in both, and in
+    several CPUs' caches. Every value field is summed."""
     if not len(more_keys):
         return keys, vals
     keys = np.concatenate([keys, more_keys.astype(keys.dtype)])
     vals = np.concatenate([vals, more_vals.astype(vals.dtype)])
-    cols = np.stack([keys["victim_cgid"], keys["culprit_cgid"], keys["kind"].astype(np.uint64)], axis=1)
+    cols = np.stack([keys[f].astype(np.uint64) for f in fields], axis=1)
     uniq, first, inverse = np.unique(cols, axis=0, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     out = np.zeros(len(uniq), vals.dtype)
-    for f in ("count", "wait_ns"):
+    for f in vals.dtype.names:
         np.add.at(out[f], inverse, vals[f])
     return keys[first], out
 
