@@ -128,17 +128,20 @@ def _ms(v: float | None) -> float:
 
 def cost(res: dict[str, Any], path: Path) -> Path:
     """cost.png: per workload, each tool's added cost per context switch (the
-    workload's slowdown) and its programs' own time per switch."""
+    workload's slowdown) and its programs' own time per switch; then the
+    toggled measurement's added cost, where it ran."""
     plt = _pyplot()
     path.parent.mkdir(parents=True, exist_ok=True)
     tools = ("slatrace", "runqlat")
-    workloads = list(res["total_cost"])
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    toggled = res.get("toggle", {})
+    workloads = list(res["total_cost"]) + [f"{w} (pinned),\ntoggled" for w in toggled]
+    fig, ax = plt.subplots(figsize=(11 if toggled else 9, 4.2))
     width = 0.2
     for i, tool in enumerate(tools):
-        total = [_ns(res["total_cost"][w]["wall"]["added_ns_per_switch"][tool]) for w in workloads]
+        total = [_ns(res["total_cost"][w]["wall"]["added_ns_per_switch"][tool]) for w in res["total_cost"]]
+        total += [m[tool]["mean_ns"] for m in toggled.values()]
         prog = [_ns((res["alone"]["summary"].get(w, {}).get(tool) or {}).get("all_programs_ns_per_switch"))
-                for w in workloads]
+                for w in res["total_cost"]] + [float("nan")] * len(toggled)
         xs = [k + (i - 0.5) * 2 * width for k in range(len(workloads))]
         ax.bar([x - width / 2 for x in xs], total, width, label=f"{tool}: the workload's slowdown per switch",
                color=f"C{i}")

@@ -223,6 +223,20 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
             "the rounds with one tool) is the third line; the rest is what the kernel pays around the program "
             "(tracepoint, record set-up).", ""]
     out += total_cost_table(res)
+    if res.get("toggle"):
+        out += ["", "### Total cost, the tools toggled within one run", "",
+                "One long pinned run per workload; both tools' programs loaded once and their raw tracepoints "
+                "attached in turn for 50 ms windows (off, slatrace, off, runqlat, ...), each tool window's "
+                "context-switch rate against the off windows on either side, so the host's drift cancels "
+                "(`python -m bench.toggle`). Added ns per switch = 1/rate(tool) − 1/rate(off), mean over "
+                "windows; the kernel side only, kernel BPF stats off. In brackets, the ratio's 95% interval "
+                "from resampling the windows.", "",
+                "| workload | no tool, ns per switch | windows per tool | slatrace, added ns per switch | "
+                "runqlat, added ns per switch | slatrace / runqlat |", "|---|---:|---:|---:|---:|---:|"]
+        for w, m in res["toggle"].items():
+            out.append(f"| {w} (pinned) | {m['off_ns_per_switch']:.0f} | {m['slatrace']['windows']} | "
+                       f"{m['slatrace']['mean_ns']:.0f} | {m['runqlat']['mean_ns']:.0f} | "
+                       f"**{_ratio(m['ratio'])}{interval(m['ratio_95'])}** |")
     if image:
         out += ["", f"![cost per switch]({image})"]
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import bpfstats, mapmem, plots, report, resample, scale, workloads
+from bench import bpfstats, mapmem, plots, report, resample, scale, toggle, workloads
 from bench.bpfstats import BpfStatsSwitch, Counter
 from bench.tools import RUNQLAT, Runqlat, Slatrace, Tool
 from tests.support.scale import compile_worker
@@ -96,6 +96,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ring-tasks", type=int, default=160, help="tasks in the token ring (default %(default)s)")
     p.add_argument("--ring-laps", type=int, default=None,
                    help="laps of the token round the ring (default 1000, --quick 300)")
+    p.add_argument("--toggle-seconds", type=float, default=None, metavar="SECONDS",
+                   help="after the rounds, each tool attached in turn for 50 ms windows within one long pinned "
+                        "run per workload (bench/toggle.py), this long each; 0 to skip (default 240, --quick 20)")
+    p.add_argument("--toggle-workloads", default=",".join(toggle.WORKLOADS), metavar="NAME,...",
+                   help="workloads of the toggled measurement (default %(default)s)")
     p.add_argument("--budget", type=float, default=300.0, metavar="SECONDS",
                    help="start no round that would end after this (default %(default)s)")
     md = p.add_mutually_exclusive_group()
@@ -121,6 +126,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.pipe_loops = args.pipe_loops or (100000 if args.quick else 300000)
     args.ring_laps = args.ring_laps or (300 if args.quick else 1000)
     args.repeat = args.repeat or (1 if args.quick else 3)
+    args.toggle_seconds = args.toggle_seconds if args.toggle_seconds is not None else (20 if args.quick else 240)
+    args.toggle_workloads = [x.strip() for x in args.toggle_workloads.split(",") if x.strip()]
+    if any(w not in toggle.WORKLOADS for w in args.toggle_workloads) or args.toggle_seconds < 0:
+        p.error(f"--toggle-workloads: expected some of {', '.join(toggle.WORKLOADS)}; "
+                "--toggle-seconds must not be negative")
     args.workloads = [x.strip() for x in args.workloads.split(",") if x.strip()] if args.workloads else None
     if args.ring_tasks < 2 or args.ring_laps < 1 or args.repeat < 1:
         p.error("--ring-tasks must be at least 2, --ring-laps and --repeat at least 1")
@@ -469,6 +479,13 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"name": f"added cost per context switch on {w} (its slowdown), slatrace / runqlat",
                     "measured": measured, "limit": f"≤ {limit}x", "value": ratio, "interval": interval,
                     "pass": judge(ratio, interval, limit)})
+    for w, m in res.get("toggle", {}).items():
+        limit = TOTAL_COST_LIMITS[f"{w} (pinned)"]
+        out.append({"name": f"added cost per context switch on {w} (pinned), tools toggled within one run, "
+                            "slatrace / runqlat",
+                    "measured": report._ratio(m["ratio"]) + report.interval(m["ratio_95"], "95%: "),
+                    "limit": f"≤ {limit}x", "value": m["ratio"], "interval": m["ratio_95"],
+                    "pass": judge(m["ratio"], m["ratio_95"], limit)})
     s = res["together"]["summary"].get("all", {})
     ratio = None
     if s.get("slatrace", {}).get("event_ns") and s.get("runqlat", {}).get("event_ns"):
@@ -549,6 +566,13 @@ def run_cost(args: argparse.Namespace, possible: int, progress: Progress) -> dic
         else:
             print(f"bench: the tools' logs are kept in {logdir}", file=sys.stderr)
     progress("kernel.bpf_stats_enabled restored; no tool left running")
+    if args.toggle_seconds and args.toggle_workloads:
+        # After the rounds, with the kernel's stats back off: they would add to every program run.
+        progress(f"toggled within one run: {', '.join(args.toggle_workloads)}, {args.toggle_seconds:.0f} s each")
+        try:
+            res["toggle"] = toggle.run(args.toggle_workloads, args.toggle_seconds, 0.05, PIPE_CPU, progress)
+        except RuntimeError as e:  # the rounds' results stand without it
+            bench.notes.append(f"the toggled measurement did not run: {e}")
 
     alone: dict[str, dict[str, dict[str, Counter]]] = {}
     for r in records:
@@ -559,7 +583,8 @@ def run_cost(args: argparse.Namespace, possible: int, progress: Progress) -> dic
     rq = [r for r in records if r["config"] == "runqlat"]
     res.update({
         "settings": {"rounds": args.rounds, "rounds_done": len({r["round"] for r in records}), "quick": args.quick,
-                     "pinned": args.pin, "tool_cpu": bench.tool_cpu, "repeat": args.repeat,
+                     "toggle_seconds": args.toggle_seconds, "pinned": args.pin, "tool_cpu": bench.tool_cpu,
+                     "repeat": args.repeat,
                      "together_reps": together["reps"], "order": "rotated each round: " + ", ".join(CONFIGS),
                      "workloads": {w.name: " ".join(w.cmd).replace(f"{logdir}/", "") for w in bench.workloads}},
         "bpf_stats": {"previous": stats.previous, "reasserted": stats.reasserted},

@@ -19,6 +19,7 @@ where the kernel has BTF).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import shutil
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from bench import resample, workloads
 from bench.tools import RUNQLAT, die_with_parent
@@ -37,15 +39,23 @@ from tests.support.scale import compile_worker
 SETTLE_S = 0.01       # after attaching, before the window opens
 
 
+WORKLOADS = ("hackbench", "ring", "pipe")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.toggle", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=("hackbench", "ring"), default="hackbench",
-                   help="pinned hackbench --pipe -s 8192 -g 4, or the 160-task token ring (default %(default)s)")
-    p.add_argument("--seconds", type=float, default=240.0, help="how long to measure (default %(default)s)")
+    p.add_argument("--workload", default="hackbench", metavar="NAME,...",
+                   help="pinned hackbench --pipe -s 8192 -g 4, the 160-task token ring, perf bench sched pipe; "
+                        "comma-separated, measured one after the other (default %(default)s)")
+    p.add_argument("--seconds", type=float, default=240.0, help="how long to measure each (default %(default)s)")
     p.add_argument("--window", type=float, default=0.05, help="window length in seconds (default %(default)s)")
     p.add_argument("--cpu", type=int, default=1, help="CPU the workload is pinned to (default %(default)s; "
                    "this process stays on another)")
     args = p.parse_args(argv)
+    args.workload = [w.strip() for w in args.workload.split(",") if w.strip()]
+    unknown = [w for w in args.workload if w not in WORKLOADS]
+    if unknown or not args.workload:
+        p.error(f"--workload: expected some of {', '.join(WORKLOADS)}, got {', '.join(unknown) or 'nothing'}")
     if args.seconds <= 0 or not 0.005 <= args.window <= 5:
         p.error("--seconds must be positive and --window between 0.005 and 5")
     return args
@@ -59,7 +69,7 @@ def load_probes() -> dict[str, tuple[object, list[bytes]]]:
     from agent.probe import features, loader
     feat = features.detect()
     if not feat.task_layout:
-        raise SystemExit("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
+        raise RuntimeError("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
                          "raw tracepoints; nothing to compare here")
     text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
     objs = {"slatrace": BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(),
@@ -69,7 +79,7 @@ def load_probes() -> dict[str, tuple[object, list[bytes]]]:
     for name, b in objs.items():
         tps = list(b.raw_tracepoint_fds)
         if not tps:
-            raise SystemExit(f"bench.toggle: {name} attached no raw tracepoint: nothing to toggle")
+            raise RuntimeError(f"bench.toggle: {name} attached no raw tracepoint: nothing to toggle")
         for tp in tps:
             b.detach_raw_tracepoint(tp=tp)
         out[name] = (b, tps)
@@ -110,23 +120,29 @@ def ratio_of_means(a: list[float], b: list[float], seed: int = 0) -> tuple[float
     return statistics.fmean(a) / statistics.fmean(b), lo, hi
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def preflight() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench.toggle: run as root (it loads BPF programs)")
-    for tool in (RUNQLAT, "hackbench", "cc"):
+    for tool in (RUNQLAT, "hackbench", "perf", "cc"):
         if shutil.which(tool) is None:
             raise SystemExit(f"bench.toggle: {tool} not found: run 'make setup-test'")
-    others = sorted(os.sched_getaffinity(0) - {args.cpu})
-    if not others:
-        raise SystemExit(f"bench.toggle: needs a CPU besides {args.cpu} for itself")
-    os.sched_setaffinity(0, {others[0]})
-    probes = load_probes()
+
+
+def workload(name: str, cpu: int, tmp: Path) -> workloads.Workload:
+    """The pinned workloads of `make bench`, long enough to outlast the windows."""
+    if name == "hackbench":
+        return workloads.hackbench(4, 1_000_000, cpu)
+    if name == "ring":
+        return workloads.ring(compile_worker(tmp, workloads.RING_SOURCE), 160, 100_000_000, cpu)
+    return workloads.pipe(1_000_000_000, cpu)
+
+
+def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
+            progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """One long pinned run of the workload, the tools attached in turn; this
+    process must run on another CPU than `cpu`."""
     with tempfile.TemporaryDirectory(prefix="slatrace-toggle-") as tmp:
-        # The pinned workloads of `make bench`, long enough to outlast the windows.
-        w = (workloads.hackbench(4, 1_000_000, args.cpu) if args.workload == "hackbench" else
-             workloads.ring(compile_worker(Path(tmp), workloads.RING_SOURCE), 160, 100_000_000, args.cpu))
-        cmd = list(w.cmd)
+        cmd = list(workload(name, cpu, Path(tmp)).cmd)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=die_with_parent)
         cycle = ("off", "slatrace", "off", "runqlat")
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         attached = None
         try:
             time.sleep(1.0)   # past the forks
-            end = time.monotonic() + args.seconds
+            end = time.monotonic() + seconds
             i = 0
             while time.monotonic() < end and proc.poll() is None:
                 state = cycle[i % len(cycle)]
@@ -144,14 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                     set_attached(attached, True)
                     time.sleep(SETTLE_S)
                 c0, t0 = workloads.context_switches(), time.monotonic()
-                time.sleep(args.window)
+                time.sleep(window)
                 c1, t1 = workloads.context_switches(), time.monotonic()
                 if attached:
                     set_attached(attached, False)
                     attached = None
                 seq.append((state, (c1 - c0) / (t1 - t0)))
-                if i % 400 == 0:
-                    print(f"[{args.seconds - (end - time.monotonic()):5.0f}s] {i} windows", flush=True)
+                if i % 800 == 0:
+                    progress(f"toggle {name}: {seconds - (end - time.monotonic()):.0f} of {seconds:.0f} s, "
+                             f"{i} windows")
         finally:
             if attached:
                 set_attached(attached, False)
@@ -159,19 +176,64 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     if proc.returncode not in (0, -9):
-        print(f"bench.toggle: the workload exited with {proc.returncode} before the end", file=sys.stderr)
+        raise RuntimeError(f"bench.toggle: {name} exited with {proc.returncode} before the end")
     added = added_per_switch(seq)
     if not all(added.get(t) for t in ("slatrace", "runqlat")):
-        raise SystemExit("bench.toggle: too few windows: raise --seconds")
+        raise RuntimeError("bench.toggle: too few windows: measure for longer")
     off = statistics.median(r for s, r in seq if s == "off")
-    print(f"workload: {' '.join(cmd)}; {args.window * 1e3:.0f} ms windows over {args.seconds:.0f} s; "
-          f"no tool: {off:.0f} switches/s ({1e9 / off:.0f} ns a switch)")
+    r, lo, hi = ratio_of_means(added["slatrace"], added["runqlat"])
+    out: dict[str, Any] = {"command": " ".join(cmd).replace(f"{tmp}/", ""), "seconds": seconds, "window_s": window,
+                           "off_ns_per_switch": 1e9 / off, "ratio": r,
+                           "ratio_95": None if math.isnan(lo) else [lo, hi]}
     for tool in ("slatrace", "runqlat"):
         v = added[tool]
-        print(f"{tool:9s} {len(v)} windows: added {statistics.fmean(v):.0f} ns per switch "
-              f"(median {statistics.median(v):.0f}, sd {statistics.pstdev(v):.0f})")
-    r, lo, hi = ratio_of_means(added["slatrace"], added["runqlat"])
-    print(f"slatrace / runqlat: {r:.2f}x (95%: {lo:.2f}-{hi:.2f})")
+        out[tool] = {"windows": len(v), "mean_ns": statistics.fmean(v), "median_ns": statistics.median(v),
+                     "sd_ns": statistics.pstdev(v)}
+    return out
+
+
+def run(names: list[str], seconds: float, window: float, cpu: int,
+        progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+    """Load both probes once and measure each workload in turn. Runs this
+    process on a CPU other than `cpu` meanwhile, and restores its affinity."""
+    others = sorted(os.sched_getaffinity(0) - {cpu})
+    if not others:
+        raise RuntimeError(f"bench.toggle: needs a CPU besides {cpu} for itself")
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {others[0]})
+    try:
+        probes = load_probes()
+        try:
+            return {name: measure(probes, name, seconds, window, cpu, progress) for name in names}
+        finally:
+            for b, _ in probes.values():
+                b.cleanup()
+    finally:
+        os.sched_setaffinity(0, affinity)
+
+
+def describe(name: str, m: dict[str, Any]) -> str:
+    lines = [f"{name}: `{m['command']}`; {m['window_s'] * 1e3:.0f} ms windows over {m['seconds']:.0f} s; "
+             f"no tool: {m['off_ns_per_switch']:.0f} ns a switch"]
+    for tool in ("slatrace", "runqlat"):
+        t = m[tool]
+        lines.append(f"  {tool:9s} {t['windows']} windows: added {t['mean_ns']:.0f} ns per switch "
+                     f"(median {t['median_ns']:.0f}, sd {t['sd_ns']:.0f})")
+    iv = m["ratio_95"]
+    lines.append(f"  slatrace / runqlat: {m['ratio']:.2f}x" + (f" (95%: {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    preflight()
+    try:
+        results = run(args.workload, args.seconds, args.window, args.cpu, lambda msg: print(msg, flush=True))
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    for name, m in results.items():
+        print(describe(name, m))
     return 0
 
 
