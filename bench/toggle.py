@@ -13,7 +13,9 @@ cost per switch is 1/rate(tool) - 1/rate(off).
 
 It measures the kernel side only (the probe, not the agent's user space,
 which runs on another CPU), on raw tracepoints (the path both tools take
-where the kernel has BTF).
+where the kernel has BTF). `--also DIR` adds slatrace's probe from another
+bpf/ directory to the cycle, to weigh one version of the probe against
+another within the same run.
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=0.05, help="window length in seconds (default %(default)s)")
     p.add_argument("--cpu", type=int, default=1, help="CPU the workload is pinned to (default %(default)s; "
                    "this process stays on another)")
+    p.add_argument("--also", action="append", default=[], type=Path, metavar="BPF_DIR",
+                   help="toggle slatrace's probe built from this bpf/ directory too, e.g. from "
+                        "`git worktree add /tmp/old <commit>`: /tmp/old/bpf (repeatable)")
     args = p.parse_args(argv)
+    for d in args.also:
+        if not (d / "sched.bpf.c").is_file():
+            p.error(f"--also {d}: no sched.bpf.c there")
     args.workload = [w.strip() for w in args.workload.split(",") if w.strip()]
     unknown = [w for w in args.workload if w not in WORKLOADS]
     if unknown or not args.workload:
@@ -61,8 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def load_probes() -> dict[str, tuple[object, list[bytes]]]:
-    """Both tools' BPF objects, compiled and detached."""
+def load_probes(also: list[Path] = ()) -> dict[str, tuple[object, list[bytes]]]:
+    """Both tools' BPF objects, compiled and detached; then slatrace's probe
+    from each directory of `also`, named "slatrace@<directory>"."""
     # Imported here: python3-bpfcc is needed only where probes are loaded.
     from bcc import BPF
 
@@ -72,9 +81,12 @@ def load_probes() -> dict[str, tuple[object, list[bytes]]]:
         raise RuntimeError("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
                          "raw tracepoints; nothing to compare here")
     text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
-    objs = {"slatrace": BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(),
-                            cflags=loader.cflags(feat, loader.MapSizes(), "raw")),
-            "runqlat": BPF(text=text)}
+    flags = loader.cflags(feat, loader.MapSizes(), "raw")
+    objs = {"slatrace": BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(), cflags=flags)}
+    for d in also:
+        # The include path first, so its own sched.h is the one found.
+        objs[f"slatrace@{d}"] = BPF(src_file=str(d / "sched.bpf.c").encode(), cflags=[f"-I{d}", *flags])
+    objs["runqlat"] = BPF(text=text)
     out = {}
     for name, b in objs.items():
         tps = list(b.raw_tracepoint_fds)
@@ -145,7 +157,7 @@ def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
         cmd = list(workload(name, cpu, Path(tmp)).cmd)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=die_with_parent)
-        cycle = ("off", "slatrace", "off", "runqlat")
+        cycle = [state for tool in probes for state in ("off", tool)]
         seq: list[tuple[str, float]] = []
         attached = None
         try:
@@ -178,22 +190,25 @@ def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
     if proc.returncode not in (0, -9):
         raise RuntimeError(f"bench.toggle: {name} exited with {proc.returncode} before the end")
     added = added_per_switch(seq)
-    if not all(added.get(t) for t in ("slatrace", "runqlat")):
+    if not all(added.get(t) for t in probes):
         raise RuntimeError("bench.toggle: too few windows: measure for longer")
     off = statistics.median(r for s, r in seq if s == "off")
     r, lo, hi = ratio_of_means(added["slatrace"], added["runqlat"])
     out: dict[str, Any] = {"command": " ".join(cmd).replace(f"{tmp}/", ""), "seconds": seconds, "window_s": window,
                            "off_ns_per_switch": 1e9 / off, "ratio": r,
                            "ratio_95": None if math.isnan(lo) else [lo, hi]}
-    for tool in ("slatrace", "runqlat"):
+    for tool in probes:
         v = added[tool]
         out[tool] = {"windows": len(v), "mean_ns": statistics.fmean(v), "median_ns": statistics.median(v),
                      "sd_ns": statistics.pstdev(v)}
+        if tool.startswith("slatrace@"):
+            r, lo, hi = ratio_of_means(v, added["runqlat"])
+            out[tool].update(ratio=r, ratio_95=None if math.isnan(lo) else [lo, hi])
     return out
 
 
 def run(names: list[str], seconds: float, window: float, cpu: int,
-        progress: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
+        progress: Callable[[str], None] = print, also: list[Path] = ()) -> dict[str, dict[str, Any]]:
     """Load both probes once and measure each workload in turn. Runs this
     process on a CPU other than `cpu` meanwhile, and restores its affinity."""
     others = sorted(os.sched_getaffinity(0) - {cpu})
@@ -202,7 +217,7 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {others[0]})
     try:
-        probes = load_probes()
+        probes = load_probes(also)
         try:
             return {name: measure(probes, name, seconds, window, cpu, progress) for name in names}
         finally:
@@ -215,12 +230,14 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
 def describe(name: str, m: dict[str, Any]) -> str:
     lines = [f"{name}: `{m['command']}`; {m['window_s'] * 1e3:.0f} ms windows over {m['seconds']:.0f} s; "
              f"no tool: {m['off_ns_per_switch']:.0f} ns a switch"]
-    for tool in ("slatrace", "runqlat"):
+    tools = [t for t in m if t == "slatrace" or t.startswith("slatrace@")] + ["runqlat"]
+    for tool in tools:
         t = m[tool]
         lines.append(f"  {tool:9s} {t['windows']} windows: added {t['mean_ns']:.0f} ns per switch "
                      f"(median {t['median_ns']:.0f}, sd {t['sd_ns']:.0f})")
-    iv = m["ratio_95"]
-    lines.append(f"  slatrace / runqlat: {m['ratio']:.2f}x" + (f" (95%: {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""))
+    for tool in tools[:-1]:
+        r, iv = (m["ratio"], m["ratio_95"]) if tool == "slatrace" else (m[tool]["ratio"], m[tool]["ratio_95"])
+        lines.append(f"  {tool} / runqlat: {r:.2f}x" + (f" (95%: {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""))
     return "\n".join(lines)
 
 
@@ -228,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     preflight()
     try:
-        results = run(args.workload, args.seconds, args.window, args.cpu, lambda msg: print(msg, flush=True))
+        results = run(args.workload, args.seconds, args.window, args.cpu, lambda msg: print(msg, flush=True),
+                      args.also)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1

@@ -302,15 +302,29 @@ class Probe:
                     err = ct.get_errno()
                     raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
         used = (slots["val"]["count"] != 0).any(axis=1)
-        zero = np.zeros(self._ncpu, np.dtype(slot_t))
-        for i in np.flatnonzero(used):
-            idx = ct.c_uint32(first + int(i))
-            if self._lib.bpf_update_elem(fd, ct.byref(idx), zero.ctypes.data, 0) != 0:
-                err = ct.get_errno()
-                raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
+        self._zero_entries(name, fd, index[used], slot_t)
         rows = slots[used].reshape(-1)
         rows = rows[rows["val"]["count"] != 0]
         return rows["key"], rows["val"]
+
+    def _zero_entries(self, name: str, fd: int, index: np.ndarray, slot_t: type) -> None:
+        """Zero these entries of a per-CPU array on every CPU, in one batch."""
+        if not len(index):
+            return
+        index = np.ascontiguousarray(index, np.uint32)
+        zeros = np.zeros((len(index), self._ncpu), np.dtype(slot_t))
+        count = ct.c_uint32(len(index))
+        if self._lib.bpf_update_batch(fd, index.ctypes.data, zeros.ctypes.data, ct.byref(count)) == 0:
+            return
+        err = ct.get_errno()
+        if err not in (errno.EINVAL, ENOTSUPP):
+            raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
+        # Kernels before 5.6 have no batch update: one entry at a time.
+        for i, row in zip(index, zeros):
+            idx = ct.c_uint32(int(i))
+            if self._lib.bpf_update_elem(fd, ct.byref(idx), row.ctypes.data, 0) != 0:
+                err = ct.get_errno()
+                raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
 
     def _delete(self, name: str, keys: np.ndarray) -> None:
         fd = self._bpf[name.encode()].map_fd

@@ -85,3 +85,15 @@ def test_toggle_ratio_interval_holds_the_ratio() -> None:
     b = [1000 + rng.gauss(0, 300) for _ in range(500)]
     r, lo, hi = ratio_of_means(a, b)
     assert lo < r < hi and lo < 0.7 < hi and hi - lo < 0.15
+
+
+def test_toggle_takes_several_workloads_and_other_probe_builds(tmp_path: Path) -> None:
+    from bench.toggle import parse_args
+
+    (tmp_path / "sched.bpf.c").write_text("/* an older build of the probe */\n")
+    args = parse_args(["--workload", "ring, pipe", "--also", str(tmp_path), "--seconds", "10"])
+    assert args.workload == ["ring", "pipe"] and args.also == [tmp_path]
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "ring,nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--also", str(tmp_path / "missing")])
