@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.probe import features as feat
+from agent.probe.btf import BtfError, task_layout
 
 
 @dataclass(frozen=True)
@@ -32,4 +33,17 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
     checks.insert(2, Check("kernel-headers", headers, "BCC can find kernel headers" if headers else
                            "no kernel headers at /lib/modules/$(uname -r)/build: run 'make setup' (links "
                            "Debian's linux-headers-amd64) or set BCC_KERNEL_SOURCE"))
+    checks.append(attachment())
     return checks
+
+
+def attachment() -> Check:
+    """Which tracepoints the programs will attach to. Classic ones work
+    anywhere, so this never fails; it says what the raw ones would need."""
+    try:
+        layout = task_layout()
+    except BtfError as e:
+        return Check("attachment", True, f"classic tracepoints (raw ones are not usable: {e}); each context "
+                     "switch then costs more")
+    return Check("attachment", True, f"raw tracepoints: task_struct.pid at byte {layout.pid_offset} and .flags "
+                 f"at {layout.flags_offset}, from the kernel's BTF")

@@ -61,3 +61,27 @@ def test_check_and_the_probe_read_one_prerequisite_list(monkeypatch):
     checks = {c.name: (c.ok, c.detail) for c in run_checks()}
     assert all(checks[p.name] == (p.ok, p.detail) for p in items)
     assert {"bcc", "kernel-headers"} <= set(checks)   # what BCC needs besides
+
+
+def test_check_names_the_attachment_the_agent_will_take(monkeypatch, tmp_path):
+    """Raw tracepoints with the offsets read from this kernel's BTF, or
+    classic ones and why; never a failure, since classic ones work anywhere."""
+    from agent import check
+    from agent.probe import btf, loader
+
+    if btf.VMLINUX.exists():    # this kernel's own BTF, where it has one
+        raw = check.attachment()
+        layout = btf.task_layout()
+        assert raw.ok and f"pid at byte {layout.pid_offset}" in raw.detail
+        assert f".flags at {layout.flags_offset}" in raw.detail
+        assert loader.attach_mode(features_with(layout)) == "raw"
+    missing = tmp_path / "vmlinux"
+    monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(missing))
+    classic = check.attachment()
+    assert classic.ok and classic.detail.startswith("classic tracepoints") and str(missing) in classic.detail
+
+
+def features_with(layout):
+    from agent.probe.features import Features
+
+    return Features(tracefs=None, states=None, cgroup2=None, task_layout=layout, raw_unavailable=None)
