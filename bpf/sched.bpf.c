@@ -14,6 +14,7 @@
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
  *   MAX_TASKS, MAX_HIST, MAX_BLAME, MAX_CGROUPS, MAX_WATCHED   map sizes
+ *   HIST_CACHE, BLAME_CACHE   per-CPU cache entries per generation (sched.h)
  *   EVENT_PAGES     ring buffer size in pages (a power of two)
  *   MAX_EVENT_RATE  events per CPU per ~1.07 s (2^30 ns) window
  */
@@ -29,8 +30,8 @@ BPF_TABLE("lru_hash", task_key_t, struct task_info, tasks, MAX_TASKS);
  * with a thousand services cannot afford. */
 BPF_TABLE("hash", struct hist_key, struct hist_val, hists, MAX_HIST);
 BPF_TABLE("percpu_array", u32, struct hist_slot, hist_cache, 2 * HIST_CACHE);
-_Static_assert(HIST_CACHE >= HIST_SLOTS && !(HIST_CACHE & (HIST_CACHE - 1)),
-               "HIST_CACHE: a power of two that holds every slot of one cgroup");
+_Static_assert(HIST_CACHE && !(HIST_CACHE & (HIST_CACHE - 1)), "HIST_CACHE must be a power of two");
+_Static_assert(BLAME_CACHE && !(BLAME_CACHE & (BLAME_CACHE - 1)), "BLAME_CACHE must be a power of two");
 BPF_TABLE("hash", struct blame_key, struct blame_val, blame, MAX_BLAME);
 BPF_TABLE("percpu_array", u32, struct blame_slot, blame_cache, 2 * BLAME_CACHE);
 BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);

@@ -96,7 +96,9 @@ struct hist_val {
  * consecutive entries from a hash of (cgroup, kind), and HIST_CACHE exceeds
  * HIST_SLOTS, so one busy cgroup never evicts its own slots; entry
  * `gen * HIST_CACHE + i` belongs to generation gen. */
-#define HIST_CACHE 512
+#ifndef HIST_CACHE
+#define HIST_CACHE 512     /* -D from MapSizes.hist_cache; a power of two */
+#endif
 
 struct hist_slot {
     struct hist_key key;   /* key.gen is the half's generation */
@@ -126,7 +128,9 @@ struct blame_val {
  * when another pair takes their entry. BLAME_CACHE entries per generation
  * (a power of two); entry `gen * BLAME_CACHE + i` belongs to generation gen,
  * and the agent drains and zeroes the old generation's half with the maps. */
-#define BLAME_CACHE 64
+#ifndef BLAME_CACHE
+#define BLAME_CACHE 64     /* -D from MapSizes.blame_cache */
+#endif
 
 struct blame_slot {
     struct blame_key key;  /* key.gen is the half's generation */

@@ -46,6 +46,10 @@ class MapSizes:
     blame: int = 131072              # (victim, culprit, kind) keys of one interval
     cgroups: int = 16384             # cgroups active in one interval
     watched: int = 1024
+    # Per CPU and generation; a power of two. The default exceeds the 434
+    # slots of one cgroup's histogram, so a busy cgroup never evicts its own.
+    hist_cache: int = HIST_CACHE
+    blame_cache: int = BLAME_CACHE
     event_pages: int = 1024          # 4 MiB of ring buffer with 4 KiB pages
     event_rate: int = 50000          # events per CPU per ~1.07 s
 
@@ -87,11 +91,15 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
         "MAX_BLAME": sizes.blame,
         "MAX_CGROUPS": sizes.cgroups,
         "MAX_WATCHED": sizes.watched,
+        "HIST_CACHE": sizes.hist_cache,
+        "BLAME_CACHE": sizes.blame_cache,
         "EVENT_PAGES": sizes.event_pages,
         "MAX_EVENT_RATE": sizes.event_rate,
     }
-    if sizes.event_pages & (sizes.event_pages - 1):
-        raise ValueError(f"EVENT_PAGES={sizes.event_pages} must be a power of two")
+    for name, n in (("EVENT_PAGES", sizes.event_pages), ("HIST_CACHE", sizes.hist_cache),
+                    ("BLAME_CACHE", sizes.blame_cache)):
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"{name}={n} must be a power of two")
     if mode == "raw":
         values["RAW_TP"] = 1
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
@@ -102,8 +110,9 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
     return [f"-I{bpf_source_dir()}"] + [f"-D{k}={v:#x}" for k, v in values.items()]
 
 
-# Per-CPU write-combining caches -> (entries per generation, entry type).
-CACHES = {"hist_cache": (HIST_CACHE, HistSlot), "blame_cache": (BLAME_CACHE, BlameSlot)}
+# Per-CPU write-combining caches -> entry type. Each holds two halves, one
+# per generation, of max_entries / 2 entries.
+CACHES = {"hist_cache": HistSlot, "blame_cache": BlameSlot}
 
 
 def monotonic_ns() -> int:
@@ -283,8 +292,9 @@ class Probe:
         write-combining cache (hist_cache, blame_cache: bpf/sched.h), one row
         per used entry per CPU, then that half zeroed for its next turn. Same
         grace period as the maps: no program adds to this half any more."""
-        entries, slot_t = CACHES[name]
-        fd = self._bpf[name.encode()].map_fd
+        slot_t = CACHES[name]
+        table = self._bpf[name.encode()]
+        fd, entries = table.map_fd, table.max_entries // 2
         first = gen * entries
         index = np.arange(first, first + entries, dtype=np.uint32)
         slots = np.zeros((entries, self._ncpu), np.dtype(slot_t))

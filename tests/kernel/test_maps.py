@@ -70,11 +70,14 @@ def test_dead_cgroups_leave_the_maps(probe):
 def test_full_maps_count_what_they_lose(kernel):
     """With maps far too small for the host, the victim's waits that found no
     room are counted as lost for its cgroup: recorded + lost equals the
-    reference count, and its blame is incomplete rather than rescaled."""
+    reference count, and its blame is incomplete rather than rescaled. The
+    per-CPU caches are cut to one entry, so every wait reaches the tiny maps
+    (with their default sizes the caches alone could hold a quiet host's
+    waits)."""
     from agent.probe import features
     from agent.probe.loader import MapSizes, Probe
 
-    tiny = Probe.load(features.detect(), MapSizes(hists=16, blame=4, cgroups=4096))
+    tiny = Probe.load(features.detect(), MapSizes(hists=64, blame=16, cgroups=4096, hist_cache=1, blame_cache=1))
     try:
         with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg:
             for i in range(4):
