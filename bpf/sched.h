@@ -93,8 +93,8 @@ struct hist_val {
  * front of blame (below): a switch-in adds its wait to a direct-mapped
  * per-CPU entry without an atomic or a hash lookup, and reaches the shared
  * map only when another key takes the entry. A cgroup's slots sit at
- * consecutive entries from a hash of (cgroup, kind), and HIST_CACHE exceeds
- * HIST_SLOTS, so one busy cgroup never evicts its own slots; entry
+ * consecutive entries from a hash of (cgroup, kind), and the default
+ * HIST_CACHE exceeds HIST_SLOTS, so one busy cgroup never evicts its own; entry
  * `gen * HIST_CACHE + i` belongs to generation gen. */
 #ifndef HIST_CACHE
 #define HIST_CACHE 512     /* -D from MapSizes.hist_cache; a power of two */
