@@ -468,24 +468,23 @@ def judge(ratio: float | None, interval: list[float] | None, limit: float) -> bo
     return False if interval[0] > limit else None
 
 
+def cost_target(name: str, ratio: float | None, interval: list[float] | None, limit: float) -> dict[str, Any]:
+    """A total-cost ratio judged on its interval (judge())."""
+    return {"name": name, "measured": report._ratio(ratio) + report.interval(interval, "95%: "),
+            "limit": f"≤ {limit}x", "value": ratio, "interval": interval, "pass": judge(ratio, interval, limit)}
+
+
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for w, limit in TOTAL_COST_LIMITS.items():
         if w not in res["total_cost"]:
             continue      # not run (--workloads)
         wall = res["total_cost"][w].get("wall", {})
-        ratio, interval = wall.get("ratio"), wall.get("ratio_95")
-        measured = report._ratio(ratio) + report.interval(interval, "95%: ")
-        out.append({"name": f"added cost per context switch on {w} (its slowdown), slatrace / runqlat",
-                    "measured": measured, "limit": f"≤ {limit}x", "value": ratio, "interval": interval,
-                    "pass": judge(ratio, interval, limit)})
+        out.append(cost_target(f"added cost per context switch on {w} (its slowdown), slatrace / runqlat",
+                               wall.get("ratio"), wall.get("ratio_95"), limit))
     for w, m in res.get("toggle", {}).items():
-        limit = TOTAL_COST_LIMITS[f"{w} (pinned)"]
-        out.append({"name": f"added cost per context switch on {w} (pinned), tools toggled within one run, "
-                            "slatrace / runqlat",
-                    "measured": report._ratio(m["ratio"]) + report.interval(m["ratio_95"], "95%: "),
-                    "limit": f"≤ {limit}x", "value": m["ratio"], "interval": m["ratio_95"],
-                    "pass": judge(m["ratio"], m["ratio_95"], limit)})
+        out.append(cost_target(f"added cost per context switch on {w} (pinned), tools toggled within one run, "
+                               "slatrace / runqlat", m["ratio"], m["ratio_95"], TOTAL_COST_LIMITS[f"{w} (pinned)"]))
     s = res["together"]["summary"].get("all", {})
     ratio = None
     if s.get("slatrace", {}).get("event_ns") and s.get("runqlat", {}).get("event_ns"):
