@@ -66,8 +66,12 @@ def targets_table(targets: list[dict[str, Any]]) -> list[str]:
     out = ["| target | measured | limit | verdict |", "|---|---:|---:|---|"]
     for t in targets:
         if t["pass"] is None:
-            # A ratio whose interval spans the limit: this run cannot tell.
-            verdict = "n/a" if t.get("interval") is None else "not resolved (interval spans the limit)"
+            # A ratio whose interval spans the limit, or with no interval from
+            # enough rounds (the noise exceeds runqlat's cost): this run cannot tell.
+            if t.get("interval") is not None:
+                verdict = "not resolved (interval spans the limit)"
+            else:
+                verdict = "n/a" if t.get("value") is None else "not resolved (runqlat's cost within the noise)"
         else:
             verdict = "PASS" if t["pass"] else "**FAIL**"
         out.append(f"| {t['name']} | {t['measured']} | {t['limit']} | {verdict} |")

@@ -433,7 +433,7 @@ def total_cost(records: list[dict[str, Any]], bench_workloads: tuple[workloads.W
             # A ratio only when both tools measurably slowed it down: below the
             # noise a ratio of two differences means nothing.
             ok = all(v is not None and math.isfinite(v) and v > 0 for v in added.values())
-            entry[kind] = {"added_ns_per_switch": added,
+            entry[kind] = {"added_ns_per_switch": added, "rounds": len(rounds),
                            "ratio": added["slatrace"] / added["runqlat"] if ok else None,
                            "ratio_95": ratio_interval(diffs["slatrace"], diffs["runqlat"]) if ok else None}
         entry["judged"] = "wall" if w.name in TOTAL_COST_LIMITS else None
@@ -456,22 +456,26 @@ def ratio_interval(sla: list[float], rq: list[float]) -> list[float] | None:
     return resample.ratio_interval(draw)
 
 
-def judge(ratio: float | None, interval: list[float] | None, limit: float) -> bool | None:
+def judge(ratio: float | None, interval: list[float] | None, limit: float, samples: int = 0) -> bool | None:
     """PASS when the interval is within the limit, FAIL when beyond it, else
-    not resolved (None); with no interval (few rounds), the median decides."""
+    not resolved (None). With no interval from fewer than 3 samples (rounds)
+    the median decides; from more, no interval means runqlat's slowdown was
+    within the noise: not resolved either."""
     if ratio is None:
         return None
     if interval is None:
-        return ratio <= limit
+        return ratio <= limit if samples < 3 else None
     if interval[1] <= limit:
         return True
     return False if interval[0] > limit else None
 
 
-def cost_target(name: str, ratio: float | None, interval: list[float] | None, limit: float) -> dict[str, Any]:
+def cost_target(name: str, ratio: float | None, interval: list[float] | None, limit: float,
+                samples: int = 0) -> dict[str, Any]:
     """A total-cost ratio judged on its interval (judge())."""
     return {"name": name, "measured": report._ratio(ratio) + report.interval(interval, "95%: "),
-            "limit": f"≤ {limit}x", "value": ratio, "interval": interval, "pass": judge(ratio, interval, limit)}
+            "limit": f"≤ {limit}x", "value": ratio, "interval": interval,
+            "pass": judge(ratio, interval, limit, samples)}
 
 
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -481,7 +485,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             continue      # not run (--workloads)
         wall = res["total_cost"][w].get("wall", {})
         out.append(cost_target(f"added cost per context switch on {w} (its slowdown), slatrace / runqlat",
-                               wall.get("ratio"), wall.get("ratio_95"), limit))
+                               wall.get("ratio"), wall.get("ratio_95"), limit, wall.get("rounds", 0)))
     for w, m in res.get("toggle", {}).items():
         out.append(cost_target(f"added cost per context switch on {w} (pinned), tools toggled within one run, "
                                "slatrace / runqlat", m["ratio"], m["ratio_95"], TOTAL_COST_LIMITS[f"{w} (pinned)"]))

@@ -41,6 +41,14 @@ def test_a_target_passes_only_when_the_whole_interval_is_within_it(interval, ver
     assert judge(0.8 if interval is None else sum(interval) / 2, interval, 0.9) is verdict
 
 
+@pytest.mark.parametrize("ratio, rounds, verdict", [(0.8, 2, True), (2.2, 2, False), (2.2, 6, None), (0.8, 6, None)])
+def test_no_interval_from_enough_rounds_is_not_a_verdict(ratio, rounds, verdict) -> None:
+    """Two rounds have no interval and the median decides; six rounds with no
+    interval means runqlat's slowdown was within the noise (ratio_interval),
+    so the median of a noisy ratio decides nothing."""
+    assert judge(ratio, None, 1.0, rounds) is verdict
+
+
 def test_the_ring_switches_once_per_hop(tmp_path: Path) -> None:
     """Counted by the kernel (/proc/stat ctxt), not by the ring itself."""
     if shutil.which("cc") is None and shutil.which("gcc") is None:
