@@ -118,6 +118,22 @@ def test_every_target_uses_the_datasource_variable(path: Path) -> None:
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_every_panel_has_a_title_a_description_and_the_datasource_variable(path: Path) -> None:
+    """Grafana shows the description as the panel's (i) tooltip: it says what
+    the panel answers. Every panel queries Prometheus through $datasource, so
+    the dashboard imports into any Grafana without a data source UID to fix."""
+    for p in _panels(_load(path)):
+        assert p.get("title", "").strip(), f"panel {p['id']} of {path.name} has no title"
+        if p["type"] == "row":
+            continue
+        desc = p.get("description", "")
+        assert len(desc) >= 40 and desc.rstrip().endswith((".", "?")), \
+            f"panel {p['title']!r} of {path.name} needs a description (a sentence or two) of what it answers"
+        assert p.get("datasource") == {"type": "prometheus", "uid": DS_REF}, \
+            f"panel {p['title']!r} of {path.name} must use the Prometheus data source through {DS_REF}"
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_queried_metric_is_exposed(path: Path) -> None:
     exposed, les = _exposed_names()
     dash = _load(path)
