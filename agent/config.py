@@ -17,6 +17,7 @@ import yaml
 from agent.errors import SlatraceError
 from agent.identity.cgroups import cgroup_glob_regex
 from agent.identity.rules import ServiceRule
+from agent.probe.features import ATTACH_MODES
 from agent.store.histogram import BUCKETS_PER_OCTAVE, DEFAULT_BUCKETS_PER_OCTAVE
 
 __all__ = [
@@ -91,6 +92,9 @@ class Config:
     histograms: tuple[str, ...] = ()
 
     request_spans: RequestSpans = RequestSpans()
+    # Which tracepoints the programs attach to (agent/probe/loader.py
+    # ATTACH_MODES); read at start-up only.
+    attach_mode: str = "auto"
 
     def histogram_globs(self) -> tuple[str, ...]:
         """Globs on the services whose histograms carry buckets: those an SLO
@@ -107,6 +111,8 @@ retention: 900         # seconds of history the API can answer from (>= interval
 max_services: 1000     # at most this many service names, "other" included; new ones beyond count as "other"
 buckets_per_octave: 2  # histogram buckets exported per power of two: 1, 2 (43 buckets), 4 or 8;
                        # 4 keeps histogram_quantile within ~8% of the agent's quantile, at twice the series
+attach_mode: auto      # tracepoints the programs use: auto (raw where the kernel's BTF allows, else
+                       # classic), raw or classic; read at start-up only
 histograms: []         # services whose histograms keep their buckets (globs on the service name, "*" for
                        # all), besides those with an SLO or named by a rule; others export _sum/_count only
 
@@ -137,8 +143,8 @@ request_spans:
   watch: []
 """
 
-_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "histograms", "services", "slos",
-             "request_spans")
+_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "histograms", "services",
+             "slos", "request_spans")
 _REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
 _REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
@@ -209,6 +215,10 @@ def parse_config(data: Any, source: str) -> Config:
     if not _is_int(per_octave) or per_octave not in BUCKETS_PER_OCTAVE:
         choices = ", ".join(str(n) for n in BUCKETS_PER_OCTAVE)
         raise ConfigError(f"{source}: buckets_per_octave: expected one of {choices}, got {_short(per_octave)}")
+    attach_mode = top.get("attach_mode", "auto")
+    if attach_mode not in ATTACH_MODES:
+        raise ConfigError(f"{source}: attach_mode: expected one of {', '.join(ATTACH_MODES)}, "
+                          f"got {_short(attach_mode)}")
     rules = tuple(
         _service_rule(item, source, f"services[{i}]")
         for i, item in enumerate(_sequence(top, "services", source))
@@ -233,6 +243,7 @@ def parse_config(data: Any, source: str) -> Config:
         slos=slos,
         histograms=histograms,
         request_spans=_request_spans(top.get("request_spans"), source),
+        attach_mode=attach_mode,
     )
 
 

@@ -83,7 +83,7 @@ class RunOptions:
     otlp_protocol: str | None = None
     # What SIGHUP reloads: the file, with the command line's flags on top.
     config_path: str | None = None
-    config_overrides: tuple[tuple[str, float], ...] = ()
+    config_overrides: tuple[tuple[str, object], ...] = ()
     bpf_stats: str = "sampled"  # --bpf-stats: sampled (1 s a minute), always, off
 
 
@@ -170,15 +170,19 @@ class Daemon:
         self.registry.register(ServerCollector(self._server))
         log.info("listening on http://%s:%d", host, self._server.port)
 
-        from agent.probe.loader import Probe  # noqa: PLC0415  (imports bcc)
+        from agent.probe.loader import Probe, attach_mode  # noqa: PLC0415  (imports bcc)
 
+        try:
+            mode = attach_mode(features, self.config.attach_mode)
+        except ValueError as e:
+            raise StartupError(f"{e}; use --attach-mode classic (or auto)") from None
         t0 = time.monotonic()
         try:
-            self._probe = Probe.load(features)
+            self._probe = Probe.load(features, tracepoints=mode)
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
             raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
                                "to see which prerequisite is missing") from None
-        log.info("BPF programs attached in %.2f s", time.monotonic() - t0)
+        log.info("BPF programs attached to %s tracepoints in %.2f s", mode, time.monotonic() - t0)
         self._bpf_stats.start()
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()

@@ -9,7 +9,8 @@
  *
  * Compile-time options (-D, built and validated by agent/probe/features.py):
  *   RAW_TP        raw tracepoints, with TASK_PID_OFF and TASK_FLAGS_OFF, the
- *                 offsets of task_struct.pid and .flags
+ *                 offsets of task_struct.pid and .flags, and TASK_STATE_OFF
+ *                 (that of its state) where sched_switch passes no prev_state
  *   PREEMPT_BIT   sched_switch prev_state bit of an involuntary switch
  *   STATE_D       prev_state bit of uninterruptible sleep
  *   STATE_DEAD    prev_state bits of an exiting task (X | Z)
@@ -389,11 +390,27 @@ static __always_inline int on_fork(u32 parent, task_key_t child)
 #define RAW_TASK_DEAD 0x80
 #define RAW_TASK_NOLOAD 0x400           /* with UNINTERRUPTIBLE: TASK_IDLE, reported "I", not "D" */
 
-/* sched_switch(bool preempt, prev, next, unsigned int prev_state), kernels >= 5.18 */
+/* prev's raw state: the tracepoint's fourth argument from 5.18
+ * (sched_switch(bool preempt, prev, next, unsigned int prev_state)); before,
+ * the tracepoint passes (preempt, prev, next) only and the state is read from
+ * prev itself, at TASK_STATE_OFF (`__state` from 5.14, the low half of the
+ * long `state` before). The kernel's classic tracepoint reads the same field
+ * at the same moment. */
+static __always_inline u32 switch_prev_state(struct bpf_raw_tracepoint_args *ctx)
+{
+#ifdef TASK_STATE_OFF
+    u32 state = 0;
+    bpf_probe_read_kernel(&state, sizeof(state), (void *)(ctx->args[1] + TASK_STATE_OFF));
+    return state;
+#else
+    return ctx->args[3];
+#endif
+}
+
 RAW_TRACEPOINT_PROBE(sched_switch)
 {
     bool preempt = ctx->args[0];
-    u32 state = ctx->args[3];
+    u32 state = switch_prev_state(ctx);
     u32 st;
     /* As the classic path: runnable at switch-out (or preempted while going
      * to sleep) is an involuntary switch. */

@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-stats", default="sampled", choices=["sampled", "always", "off"],
                      help="per-program cost counters through BPF_ENABLE_STATS: 1 s a minute (default), "
                           "the whole run, or never; the host's kernel.bpf_stats_enabled is never written")
+    run.add_argument("--attach-mode", choices=["auto", "raw", "classic"], default=None,
+                     help="tracepoints the BPF programs attach to: raw (cheaper per event; needs the kernel's BTF), "
+                          "classic, or auto: raw where the kernel allows it (default: the config's attach_mode, "
+                          "else auto)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -94,6 +98,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides["interval"] = args.interval
     if args.retention is not None:
         overrides["retention"] = args.retention
+    if args.attach_mode is not None:
+        overrides["attach_mode"] = args.attach_mode
     config = load_config(args.config) if args.config else Config()
     if overrides:
         from dataclasses import replace  # noqa: PLC0415

@@ -11,7 +11,8 @@ for them.
 
 Only what is needed is decoded: struct members (name, bit offset) and the
 parameter count of the tracepoints' function prototypes (btf_trace_<name>),
-which tells whether sched_switch passes prev_state (kernels from 5.18).
+which tells whether sched_switch passes prev_state (kernels from 5.18) or
+the programs read it from the task (`__state` from 5.14, `state` before).
 The format is the kernel's (include/uapi/linux/btf.h).
 """
 
@@ -43,6 +44,12 @@ class TaskLayout:
 
     pid_offset: int        # task_struct.pid (pid_t)
     flags_offset: int      # task_struct.flags (unsigned int, PF_*)
+    # Where prev's state comes from at sched_switch: None when the tracepoint
+    # passes it (prev_state, kernels from 5.18); else the offset of the task's
+    # own state field, `__state` (unsigned int, from 5.14) or `state` (long,
+    # before; its low 32 bits hold every state bit on little-endian).
+    state_offset: int | None = None
+    state_field: str = "prev_state"
 
 
 class _Btf:
@@ -133,15 +140,26 @@ def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
 def task_layout(path: Path = VMLINUX) -> TaskLayout:
     """The task_struct offsets, when the raw-tracepoint path can run here.
 
-    Raises BtfError naming what is missing: no BTF, or a sched_switch that
-    does not pass prev_state (kernels before 5.18)."""
+    Chosen by what the kernel's BTF says, not by its version: sched_switch's
+    prototype tells whether prev_state is passed (from 5.18) or must be read
+    from the task. Raises BtfError naming what is missing (no BTF)."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BtfError(f"cannot read the kernel's BTF at {path} ({e.strerror})") from None
     btf = _Btf(data)
     switch_args = _tracepoint_params(btf, "sched_switch")
-    if switch_args is None or switch_args < 4:
-        raise BtfError("sched_switch does not pass prev_state to raw tracepoints (kernel before 5.18)")
-    return TaskLayout(pid_offset=_member_offset(btf, "task_struct", "pid"),
-                      flags_offset=_member_offset(btf, "task_struct", "flags"))
+    if switch_args is None or switch_args < 3:
+        raise BtfError("the kernel's BTF has no sched_switch(preempt, prev, next) raw tracepoint prototype")
+    pid, flags = _member_offset(btf, "task_struct", "pid"), _member_offset(btf, "task_struct", "flags")
+    if switch_args >= 4:
+        return TaskLayout(pid_offset=pid, flags_offset=flags)
+    # Before 5.18 the tracepoint does not pass prev_state: read it from prev.
+    for field in ("__state", "state"):
+        try:
+            state = _member_offset(btf, "task_struct", field)
+            return TaskLayout(pid_offset=pid, flags_offset=flags, state_offset=state, state_field=field)
+        except BtfError:
+            continue
+    raise BtfError("sched_switch does not pass prev_state and task_struct has neither __state nor state in the "
+                   "kernel's BTF")

@@ -28,6 +28,10 @@ TRACEPOINTS = (
     "sched_process_exit",
 )
 
+# Which tracepoints the programs attach to: "raw" where the kernel's BTF gives
+# task_struct's layout (cheaper per event), "classic" anywhere; "auto" picks.
+ATTACH_MODES = ("auto", "raw", "classic")
+
 # Capability bits (linux/capability.h)
 CAP_DAC_OVERRIDE = 1
 CAP_DAC_READ_SEARCH = 2

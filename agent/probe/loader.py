@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import agent
-from agent.probe.features import Features
+from agent.probe.features import ATTACH_MODES, Features
 import numpy as np
 
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, TF_KTHREAD, TS_RUNNING, BlameSlot,
@@ -65,19 +65,14 @@ def bpf_source_dir() -> Path:
                             "reinstall slatrace")
 
 
-# Which tracepoints the programs attach to: "raw" where the kernel's BTF gives
-# task_struct's layout (cheaper per event), "classic" anywhere; "auto" picks.
-ATTACH_MODES = ("auto", "raw", "classic")
-
-
 def attach_mode(features: Features, wanted: str = "auto") -> str:
     """The attachment to use, or ValueError saying why the wanted one cannot be."""
     if wanted not in ATTACH_MODES:
-        raise ValueError(f"tracepoints must be one of {', '.join(ATTACH_MODES)}, got {wanted!r}")
+        raise ValueError(f"the attach mode must be one of {', '.join(ATTACH_MODES)}, got {wanted!r}")
     if wanted == "classic" or (wanted == "auto" and features.task_layout is None):
         return "classic"
     if features.task_layout is None:
-        raise ValueError(f"raw tracepoints are not usable here: {features.raw_unavailable}")
+        raise ValueError(f"raw tracepoints are not usable on this kernel: {features.raw_unavailable}")
     return "raw"
 
 
@@ -104,6 +99,8 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
         values["RAW_TP"] = 1
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
         values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
+        if features.task_layout.state_offset is not None:
+            values["TASK_STATE_OFF"] = features.task_layout.state_offset
     for name, value in values.items():
         if not isinstance(value, int) or value < 0 or value >= 1 << 32:
             raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")

@@ -48,8 +48,10 @@ def post_traces(port: int, body: bytes, content_type: str, encoding: str | None 
 class Agent:
     """A running `slatrace run`; use as a context manager."""
 
-    def __init__(self, *args: str, config: Path | None = None, interval: float = 0.5) -> None:
+    def __init__(self, *args: str, config: Path | None = None, interval: float = 0.5,
+                 ready_timeout: float = 30.0) -> None:
         self.port = free_port()
+        self.ready_timeout = ready_timeout
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = SLATRACE + ["run", "--listen", f"127.0.0.1:{self.port}", "--otlp-grpc-listen", "off",
                           "--otlp-http-listen", "off", "--interval", str(interval), *args]
@@ -71,7 +73,7 @@ class Agent:
                                         daemon=True)
         self._reader.start()
         try:
-            self.wait_ready()
+            self.wait_ready(self.ready_timeout)
         except BaseException:  # not ready: __exit__ will not run, so stop it here
             self.stop()
             raise
