@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 from agent.api.routes import AgentState, Api
 from agent.attribution.breaches import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
-from agent.api.server import HttpServer, ServerCollector, parse_listen, raise_fd_limit
+from agent.api.server import HttpServer, parse_listen, raise_fd_limit
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.errors import SlatraceError
 from agent.export.figures import AgentStats, HistogramPoint, Sources, summed
 from agent.export.otlp_settings import OtlpConfigError
 from agent.export.prometheus import Registry, SlatraceCollector
+from agent.export.servers import ServerCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
@@ -119,6 +120,9 @@ class Daemon:
             slo_breaches=summed(self.breaches.totals, self._request_breaches),
             request_sched_delay=self._request_delays, request_slos=self._request_slos))
         self.registry.register(self._collector)
+        # One collector for every HTTP server (API, OTLP/HTTP): one family each.
+        self._servers = ServerCollector()
+        self.registry.register(self._servers)
         self._probe = None
         self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
         self._slo_warnings = UnknownSloWarnings()
@@ -167,7 +171,7 @@ class Daemon:
         raise_fd_limit()
         self._server = HttpServer(host, port, Api(self.state))
         self._server.start()
-        self.registry.register(ServerCollector(self._server))
+        self._servers.add(self._server)
         log.info("listening on http://%s:%d", host, self._server.port)
 
         from agent.probe.loader import Probe, attach_mode  # noqa: PLC0415  (imports bcc)
@@ -228,6 +232,8 @@ class Daemon:
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
             self._traces.start()
+            if self._traces.http is not None:
+                self._servers.add(self._traces.http)
         except OtlpConfigError as e:
             raise StartupError(f"cannot forward spans to --otlp-endpoint: {e}") from None
         except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from agent.api.server import ServerCollector, ServerStats  # noqa: E402
+from agent.api.server import ServerStats  # noqa: E402
 from agent.config import Slo  # noqa: E402
 from agent.export.figures import (  # noqa: E402
     CATALOG,
@@ -38,6 +38,7 @@ from agent.export.figures import (  # noqa: E402
     histogram_point,
 )
 from agent.export.prometheus import SlatraceCollector  # noqa: E402
+from agent.export.servers import ServerCollector  # noqa: E402
 from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import parse_qs
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from agent.attribution.attribution import attribution
@@ -18,6 +20,8 @@ from agent.errors import SlatraceError
 from agent.store.store import Store
 
 DEFAULT_SINCE_S = 60.0
+# What /metrics answers with: the text format 0.0.4 unless the scraper asks for OpenMetrics.
+CONTENT_TYPE_TEXT = CONTENT_TYPE_PLAIN_0_0_4
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,23 @@ def error(status: int, message: str) -> Response:
     return json_response(status, {"error": message})
 
 
+def wants_openmetrics(accept: str) -> bool:
+    """Whether a scraper's Accept header asks for OpenMetrics (Prometheus asks
+    for it first by default); anything else gets the 0.0.4 text format."""
+    for item in accept.split(","):
+        media, *params = (p.strip() for p in item.split(";"))
+        if media.lower() != "application/openmetrics-text":
+            continue
+        q = next((p[2:] for p in params if p.lower().startswith("q=")), "1")
+        version = next((p[8:] for p in params if p.lower().startswith("version=")), "1.0.0")
+        try:
+            if float(q) > 0 and version.split(".")[0] in ("0", "1"):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 @dataclass
 class AgentState:
     """What the API reads. `ready` flips once the programs are attached and
@@ -77,15 +98,17 @@ class Api:
         self._routes: dict[str, Callable[[dict[str, list[str]]], Response]] = {
             "/livez": self._livez,
             "/readyz": self._readyz,
-            "/metrics": self._metrics,
             "/api/v1/services": self._services,
             "/api/v1/attribution": self._attribution,
         }
 
-    def handle(self, method: str, target: str) -> Response:
+    def handle(self, method: str, target: str, headers: Mapping[str, str] | None = None) -> Response:
+        """headers: the request's, names in lower case (only /metrics reads one, Accept)."""
         path, _, qs = target.partition("?")
         if method not in ("GET", "HEAD"):
             return error(405, f"{method} is not allowed on {path}; the API is read-only (GET)")
+        if path.rstrip("/") == "/metrics":
+            return self._metrics((headers or {}).get("accept", ""))
         route = self._routes.get(path.rstrip("/") or "/") or self.state.extra_routes.get(path)
         if route is None:
             for prefix, handler in self.state.extra_routes.items():
@@ -109,10 +132,16 @@ class Api:
         return Response(503, b"not ready: BPF programs attaching or first interval not collected yet\n",
                         "text/plain")
 
-    def _metrics(self, query) -> Response:
+    def _metrics(self, accept: str) -> Response:
+        openmetrics = wants_openmetrics(accept)
+        registry = self.state.registry
         # A registry that writes its own exposition (agent.export.prometheus.Registry) is faster at a node's size.
-        own = getattr(self.state.registry, "exposition", None)
-        return Response(200, own() if own is not None else generate_latest(self.state.registry), CONTENT_TYPE_LATEST)
+        own = getattr(registry, "exposition", None)
+        if own is not None:
+            body = own(openmetrics=openmetrics)
+        else:
+            body = (om_generate_latest if openmetrics else generate_latest)(registry)
+        return Response(200, body, CONTENT_TYPE_OPENMETRICS if openmetrics else CONTENT_TYPE_TEXT)
 
     def _services(self, query) -> Response:
         return json_response(200, {"services": self.state.describe_services()})

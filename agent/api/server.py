@@ -38,7 +38,7 @@ from http import HTTPStatus
 from agent.api.routes import Api, Response, error
 from agent.errors import SlatraceError
 
-__all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerCollector", "ServerLimits",
+__all__ = ["HttpApp", "HttpServer", "ListenError", "Request", "ServerLimits",
            "BackgroundHTTPServer", "parse_listen", "raise_fd_limit"]
 
 log = logging.getLogger(__name__)
@@ -469,7 +469,7 @@ class ApiApp(HttpApp):
         return None
 
     def handle(self, req: Request) -> Response:
-        return self.api.handle("GET", req.target)
+        return self.api.handle("GET", req.target, req.headers)
 
     def inline(self, req: Request) -> bool:
         return req.path in ("/livez", "/readyz")
@@ -484,29 +484,3 @@ class HttpServer(BackgroundHTTPServer):
         except OSError as e:
             raise ListenError(f"cannot listen on {host}:{port} ({e.strerror}): is another slatrace running? "
                               "choose another address with --listen") from None
-
-
-
-class ServerCollector:
-    """`slatrace_http_connections_total{server, outcome}` and the open count,
-    for the servers given: every connection the server ended early is counted."""
-
-    def __init__(self, *servers: BackgroundHTTPServer) -> None:
-        self.servers = servers
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: PLC0415
-
-        total = CounterMetricFamily("slatrace_http_connections", "HTTP connections accepted and how requests "
-                                    "or connections ended early (timeouts, evicted, resets, malformed, errors); "
-                                    "served counts requests answered.", labels=["server", "outcome"])
-        opened = GaugeMetricFamily("slatrace_http_connections_open", "HTTP connections open now.",
-                                   labels=["server"])
-        for srv in self.servers:
-            st = srv.stats
-            total.add_metric([srv.name, "accepted"], st.accepted)
-            for outcome in ServerStats.OUTCOMES:
-                total.add_metric([srv.name, outcome], getattr(st, outcome))
-            opened.add_metric([srv.name], st.open)
-        yield total
-        yield opened

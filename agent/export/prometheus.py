@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -37,6 +38,8 @@ from agent.export.figures import (
 from agent.store.store import Store
 
 __all__ = ["QUANTILES", "QUANTILE_WINDOW_S", "Registry", "SlatraceCollector", "render", "to_metric"]
+
+OM_EOF = b"# EOF\n"
 
 
 def _le(bound: float) -> str:
@@ -83,9 +86,11 @@ def _label_string(names: tuple[str, ...], values: tuple[str, ...]) -> str:
     return ",".join(f'{n}="{_escape(v)}"' for n, v in sorted(zip(names, values)))
 
 
-def render(families: Iterable[Family]) -> str:
-    """The text exposition (format 0.0.4) of figures families, line for line
-    what prometheus_client's generate_latest writes for to_metric() of each.
+def render(families: Iterable[Family], openmetrics: bool = False) -> str:
+    """The text exposition (format 0.0.4, or OpenMetrics 1.0 without its
+    `# EOF`) of figures families, line for line what prometheus_client's
+    generate_latest (or openmetrics.exposition.generate_latest) writes for
+    to_metric() of each.
 
     Written directly because a node's scrape carries ~16,000 samples:
     prometheus_client builds a Sample and re-validates every label name per
@@ -97,8 +102,12 @@ def render(families: Iterable[Family]) -> str:
             continue
         spec = family.spec
         name = spec.name + "_total" if spec.type == "counter" else spec.name
+        # OpenMetrics names a counter's family without _total and escapes quotes in HELP too.
+        head = spec.name if openmetrics else name
         doc = spec.help.replace("\\", r"\\").replace("\n", r"\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {spec.type}\n")
+        if openmetrics:
+            doc = doc.replace('"', r'\"')
+        out.append(f"# HELP {head} {doc}\n# TYPE {head} {spec.type}\n")
         labels = spec.labels
         for p in family.points:
             base = _label_string(labels, p.labels)
@@ -130,7 +139,10 @@ class Registry(CollectorRegistry):
     exporter reads the same families as before."""
 
     def __init__(self) -> None:
-        super().__init__(auto_describe=False)
+        # auto_describe: every collector's family names are known at register(),
+        # so a second collector of a family already registered is refused there
+        # instead of writing the family twice in /metrics.
+        super().__init__(auto_describe=True)
         self._in_order: list[Collector] = []
 
     def register(self, collector: Collector) -> None:
@@ -141,11 +153,19 @@ class Registry(CollectorRegistry):
         super().unregister(collector)
         self._in_order.remove(collector)
 
-    def exposition(self) -> bytes:
+    def exposition(self, openmetrics: bool = False) -> bytes:
+        """The /metrics body: text format 0.0.4, or OpenMetrics 1.0."""
         parts: list[bytes] = []
         for collector in list(self._in_order):
             own = getattr(collector, "exposition", None)
-            parts.append(own().encode() if own is not None else generate_latest(collector))
+            if own is not None:
+                parts.append(own(openmetrics=openmetrics).encode())
+            elif openmetrics:
+                parts.append(om_generate_latest(collector).removesuffix(OM_EOF))
+            else:
+                parts.append(generate_latest(collector))
+        if openmetrics:
+            parts.append(OM_EOF)
         return b"".join(parts)
 
 
@@ -171,9 +191,9 @@ class SlatraceCollector(Collector):
             if family.points:
                 yield to_metric(family)
 
-    def exposition(self) -> str:
+    def exposition(self, openmetrics: bool = False) -> str:
         """The same families as collect(), as exposition text."""
-        return render(compute(self._store, self._sources))
+        return render(compute(self._store, self._sources), openmetrics)
 
     def describe(self) -> Iterator[Metric]:
         # Names only, so a registry with auto_describe can detect clashes

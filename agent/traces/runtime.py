@@ -79,14 +79,12 @@ class Traces:
         self._limits = limits
         self.grpc = None
         self.http = None
-        self._registry: CollectorRegistry | None = None
 
     def routes(self) -> dict:
         return request_routes(self.store)
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(TraceCollector(self.counters))
-        self._registry = registry  # the OTLP/HTTP server's counters join it once it listens
 
     def start(self) -> None:
         """Bind and serve; OSError when an address cannot be bound."""
@@ -110,10 +108,6 @@ class Traces:
             except OSError as e:
                 raise OSError(f"cannot listen on {self._http_addr[0]}:{self._http_addr[1]} ({e.strerror})") from None
             self.http.start()
-            if self._registry is not None:
-                from agent.api.server import ServerCollector  # noqa: PLC0415
-
-                self._registry.register(ServerCollector(self.http))
             log.info("OTLP/HTTP trace receiver on http://%s:%d/v1/traces", self._http_addr[0], self.http.port)
 
     def pin_servers(self) -> None:

@@ -102,7 +102,7 @@ def test_a_client_reset_is_at_most_one_quiet_line(server, caplog):
     assert server.stats.resets == 50
     # ... and counted where an operator sees it.
     from prometheus_client import CollectorRegistry, generate_latest
-    from agent.api.server import ServerCollector
+    from agent.export.servers import ServerCollector
 
     registry = CollectorRegistry()
     registry.register(ServerCollector(server))

@@ -9,9 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as CONTENT_TYPE_OPENMETRICS
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from agent.api.routes import AgentState, Api
+from agent.api.routes import AgentState, Api, wants_openmetrics
 from agent.config import Config, Slo
 from agent.export.figures import AgentStats, Sources
 from agent.export.prometheus import Registry, SlatraceCollector
@@ -65,9 +67,43 @@ def test_probes(api):
     assert api.handle("GET", "/readyz").status == 503
 
 
+# Prometheus 2.x's default scrape Accept header, and what it gets.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+@pytest.mark.parametrize("accept, openmetrics", [
+    (PROMETHEUS_ACCEPT, True),
+    ("application/openmetrics-text", True),
+    ("Application/OpenMetrics-Text; version=1.0.0; charset=utf-8", True),
+    ("application/openmetrics-text;q=0", False),
+    ("application/openmetrics-text;version=2.0.0", False),
+    ("text/plain;version=0.0.4", False),
+    ("*/*", False),
+    ("", False),
+])
+def test_openmetrics_is_served_when_asked(accept, openmetrics):
+    assert wants_openmetrics(accept) is openmetrics
+
+
+def test_metrics_as_openmetrics_parse_strictly_with_the_same_figures(api):
+    r = api.handle("GET", "/metrics", {"accept": PROMETHEUS_ACCEPT})
+    assert r.status == 200 and r.content_type == CONTENT_TYPE_OPENMETRICS
+    text = r.body.decode()
+    assert text.endswith("# EOF\n") and text.count("# EOF") == 1
+    families = {f.name: f for f in parse_openmetrics(text)}
+    wait = families["slatrace_runq_wait_seconds"]
+    assert wait.type == "counter"
+    assert [s.value for s in wait.samples if s.labels == {"service": "web"}] == [pytest.approx(0.00612)]
+    # Every family of the text format, no more, no less.
+    plain = api.handle("GET", "/metrics").body.decode()
+    names = {line.split()[2] for line in plain.splitlines() if line.startswith("# TYPE")}
+    assert {n.removesuffix("_total") for n in names} == set(families)
+
+
 def test_metrics_is_the_text_format_with_the_figures(api):
     status, text, ctype = get(api, "/metrics")
-    assert status == 200 and ctype == CONTENT_TYPE_LATEST
+    assert status == 200 and ctype == CONTENT_TYPE_PLAIN_0_0_4
     # 2 intervals x (3 x 20 us + 3 ms) for web.
     assert 'slatrace_runq_wait_seconds_total{service="web"} 0.00612' in text
     assert 'slatrace_lost_waits_total{kind="runq",service="web"} 2.0' in text

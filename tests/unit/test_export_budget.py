@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Config, ServiceRule, Slo
@@ -239,6 +240,8 @@ def test_fast_exposition_is_byte_for_byte_the_libraries(node_scrape) -> None:
             fast, slow = registry.exposition(), generate_latest(reference)
             assert fast == slow
             assert fast.count(b"\n") > 2 * N   # not vacuous: a node's worth of samples
+            # OpenMetrics (served when the scraper asks) likewise against the library's own writer.
+            assert registry.exposition(openmetrics=True) == om_generate_latest(reference)
 
 
 def test_exported_culprits_are_each_services_top_culprits(node_scrape) -> None:

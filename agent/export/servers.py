@@ -1,0 +1,85 @@
+"""The HTTP servers' own families: one declaration, one collector, whatever
+number of servers feed it.
+
+The API server and the OTLP/HTTP receiver run the same server code and count the
+same outcomes; their figures are one family each, told apart by the `server`
+label. Two collectors writing the same family would put its HELP/TYPE block
+twice in /metrics, which the exposition format forbids (promtool and the
+OpenMetrics parsers reject the whole scrape), so the daemon keeps one
+ServerCollector and adds each server to it as the server starts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from agent.export.figures import Family, MetricSpec, Point
+from agent.export.prometheus import to_metric
+
+__all__ = ["HTTP_CONNECTIONS", "HTTP_CONNECTIONS_OPEN", "SERVER_FAMILIES", "ServerCollector"]
+
+HTTP_CONNECTIONS = MetricSpec(
+    "slatrace_http_connections", "counter",
+    "HTTP connections accepted and how requests or connections ended early (timeouts, evicted, resets, "
+    "malformed, errors); served counts requests answered.",
+    ("server", "outcome"), "1", source="HTTP servers (API, OTLP/HTTP)")
+HTTP_CONNECTIONS_OPEN = MetricSpec(
+    "slatrace_http_connections_open", "gauge", "HTTP connections open now.",
+    ("server",), "1", source="HTTP servers (API, OTLP/HTTP)")
+SERVER_FAMILIES = (HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN)
+
+
+class _Stats(Protocol):
+    OUTCOMES: tuple[str, ...]
+    accepted: int
+    open: int
+
+
+class _Server(Protocol):
+    name: str
+    stats: _Stats
+
+
+class ServerCollector(Collector):
+    """`slatrace_http_connections_total{server, outcome}` and the open count
+    of every server added: each connection a server ended early is counted."""
+
+    def __init__(self, *servers: _Server) -> None:
+        self._lock = threading.Lock()
+        self._servers: list[_Server] = []
+        for server in servers:
+            self.add(server)
+
+    def add(self, server: _Server) -> None:
+        """Count one more server; its name must be new (it is the `server` label)."""
+        with self._lock:
+            if any(s.name == server.name for s in self._servers):
+                raise ValueError(f"a server named {server.name!r} is already counted")
+            self._servers.append(server)
+
+    def families(self) -> tuple[Family, Family]:
+        with self._lock:
+            servers = list(self._servers)
+        total: list[Point] = []
+        opened: list[Point] = []
+        for srv in servers:
+            st = srv.stats
+            total.append(Point((srv.name, "accepted"), st.accepted))
+            total += [Point((srv.name, outcome), getattr(st, outcome)) for outcome in st.OUTCOMES]
+            opened.append(Point((srv.name,), st.open))
+        return Family(HTTP_CONNECTIONS, tuple(total)), Family(HTTP_CONNECTIONS_OPEN, tuple(opened))
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families():
+            if family.points:   # no HELP/TYPE block without samples, as SlatraceCollector
+                yield to_metric(family)
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only: a second collector of these families is refused at registration.
+        for spec in SERVER_FAMILIES:
+            yield to_metric(Family(spec, ()))
