@@ -26,11 +26,15 @@ __all__ = [
     "DEFAULT_CONFIG_YAML",
     "REQUEST_SERVERS",
     "RequestSpanRule",
+    "RELAY_MATCHERS",
+    "RelayRule",
     "RequestSpans",
     "ServiceRule",
     "Slo",
     "load_config",
     "parse_config",
+    "parse_relays",
+    "relays_from_flags",
 ]
 
 MIN_INTERVAL_S = 0.1   # below it, polling the maps would take a core
@@ -80,6 +84,22 @@ class RequestSpans:
 
 
 @dataclass(frozen=True)
+class RelayRule:
+    """A sender trusted to relay spans (an OpenTelemetry Collector): its spans'
+    origin is the one its resource attributes vouch for. It matches a sender
+    when every matcher given does."""
+
+    service: str | None = None              # glob on the service name the agent gives the sender
+    cgroup: str | None = None               # glob on the sender's cgroup v2 path
+    pid: int | None = None                  # a process of the sender's cgroup
+    k8s_namespace: str | None = None        # the sending pod's namespace
+    k8s_service_account: str | None = None  # and its service account
+
+
+RELAY_MATCHERS = tuple(f.name for f in fields(RelayRule))
+
+
+@dataclass(frozen=True)
 class Config:
     interval: float = 1.0
     retention: float = 900.0
@@ -92,6 +112,8 @@ class Config:
     histograms: tuple[str, ...] = ()
 
     request_spans: RequestSpans = RequestSpans()
+    # Senders trusted to relay other processes' spans (`otlp_relays`, --otlp-relay).
+    otlp_relays: tuple[RelayRule, ...] = ()
     # Which tracepoints the programs attach to (agent/probe/loader.py
     # ATTACH_MODES); read at start-up only.
     attach_mode: str = "auto"
@@ -141,10 +163,20 @@ request_spans:
 #    queue: app.queue_seconds
 #    ttft: app.ttft_seconds
   watch: []
+
+# Senders trusted to relay spans (an OpenTelemetry Collector between the servers
+# and the agent): their spans' service comes from the resource attributes they
+# vouch for (k8s.pod.uid, k8s.pod.ip, container.id, process.pid with host.name
+# or host.id). Every other sender is known by its connection alone.
+otlp_relays: []
+#  - service: otel-collector                  # glob on the sender's service name
+#  - cgroup: "/system.slice/otelcol*.service"  # glob on its cgroup v2 path; also: pid
+#  - k8s_namespace: observability              # pods of this namespace...
+#    k8s_service_account: otel-collector       # ...running as this service account
 """
 
 _TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "histograms", "services",
-             "slos", "request_spans")
+             "slos", "request_spans", "otlp_relays")
 _REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
 _REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
@@ -244,7 +276,55 @@ def parse_config(data: Any, source: str) -> Config:
         histograms=histograms,
         request_spans=_request_spans(top.get("request_spans"), source),
         attach_mode=attach_mode,
+        otlp_relays=parse_relays(_sequence(top, "otlp_relays", source), source, "otlp_relays"),
     )
+
+
+def parse_relays(items: list[Any], source: str, where: str) -> tuple[RelayRule, ...]:
+    """Relay rules from their YAML form (also what --otlp-relay's KEY=VALUE pairs make)."""
+    return tuple(_relay(item, source, f"{where}[{i}]") for i, item in enumerate(items))
+
+
+def relays_from_flags(values: list[str]) -> tuple[RelayRule, ...]:
+    """`--otlp-relay KEY=VALUE[,KEY=VALUE]` flags as relay rules (checked as the file's are)."""
+    items = []
+    for value in values:
+        pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+        if not pairs or any(not sep or not k.strip() for k, sep, _ in pairs):
+            raise ConfigError(f"--otlp-relay {value!r}: expected KEY=VALUE pairs joined by commas, with keys "
+                              f"among {', '.join(RELAY_MATCHERS)} (e.g. service=otel-collector)")
+        item: dict[str, Any] = {}
+        for k, _, v in pairs:
+            k, v = k.strip(), v.strip()
+            item[k] = int(v) if k == "pid" and v.isdigit() else v
+        items.append(item)
+    return tuple(_relay(item, f"--otlp-relay {value!r}", "") for value, item in zip(values, items))
+
+
+def _relay(item: Any, source: str, where: str) -> RelayRule:
+    m = _mapping(item, source, where, "a relay rule", RELAY_MATCHERS)
+    at = f"{source}: {where}" if where else source
+    given = {k: v for k, v in m.items() if v is not None}
+    if not given:
+        raise ConfigError(f"{at}: the relay rule has no matcher; add one of {', '.join(RELAY_MATCHERS)}")
+    for key, value in given.items():
+        field = f"{at}.{key}" if where else f"{at}: {key}"
+        if key == "pid":
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"{field}: expected a process id (a whole number >= 1), got {_short(value)}")
+        elif not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{field}: expected a non-empty string, got {_short(value)}")
+        elif key == "cgroup" and not value.startswith("/"):
+            raise ConfigError(f"{field}: the glob must be an absolute cgroup v2 path, got {_short(value)}")
+        elif key == "cgroup":
+            try:
+                cgroup_glob_regex(value)
+            except ValueError as e:
+                raise ConfigError(f"{field}: {e}; fix the [...] character class") from None
+    if "k8s_service_account" in given and "k8s_namespace" not in given:
+        raise ConfigError(f"{at}: a service account is named within its namespace; "
+                          f"add k8s_namespace next to k8s_service_account")
+    return RelayRule(**given)
 
 
 def _histogram_glob(item: Any, source: str, where: str) -> str:

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tracepoints the BPF programs attach to: raw (cheaper per event; needs the kernel's BTF), "
                           "classic, or auto: raw where the kernel allows it (default: the config's attach_mode, "
                           "else auto)")
+    run.add_argument("--otlp-relay", action="append", metavar="KEY=VALUE[,...]",
+                     help="a sender trusted to relay spans (an OpenTelemetry Collector): its spans' service comes "
+                          "from the resource attributes it vouches for; keys service, cgroup (globs), pid, "
+                          "k8s_namespace, k8s_service_account; repeatable; replaces the config's otlp_relays")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -98,6 +102,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides["interval"] = args.interval
     if args.retention is not None:
         overrides["retention"] = args.retention
+    if args.otlp_relay:
+        from agent.config import relays_from_flags  # noqa: PLC0415
+        overrides["otlp_relays"] = relays_from_flags(args.otlp_relay)
     if args.attach_mode is not None:
         overrides["attach_mode"] = args.attach_mode
     config = load_config(args.config) if args.config else Config()

@@ -115,6 +115,7 @@ class PodInfo:
     node: str | None
     # The pod's own IPs (status.podIPs); none for a hostNetwork pod, whose IP is the node's.
     ips: tuple[str, ...] = ()
+    service_account: str | None = None
 
     @property
     def service_name(self) -> str:
@@ -190,6 +191,7 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo | None:
         containers=containers,
         node=(pod.get("spec") or {}).get("nodeName"),
         ips=ips,
+        service_account=(pod.get("spec") or {}).get("serviceAccountName") or None,
     )
 
 

@@ -17,14 +17,24 @@ pid (`vllm.process_id`, `process.pid`) is translated through the NSpid line of
 ignored and reported (`SpanOrigin.ignored`); `service.name` never names a
 service.
 
+A sender the config trusts as a relay (an OpenTelemetry Collector: every span
+it forwards comes from its own socket) is the one exception: for its spans the
+origin is what its resource attributes vouch for — `k8s.pod.uid`,
+`k8s.pod.ip`, `container.id` (each naming cgroups of this node), and a pid
+(`process.pid`, `vllm.process_id`) that narrows within them, or alone, with a
+`host.name` or `host.id` naming this host, is a pid of the host. An origin
+that names nothing here is unresolved with its reason, never guessed.
+
 A batch exporter keeps its connection open, so the answer is cached per
 connection; /proc is read again only when the entry ages out.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import os
+import socket
 import sys
 import threading
 import time
@@ -33,14 +43,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.identity.cgroups import CgroupPaths
-from agent.identity.kubernetes import PodIndex, parse_kubepods_path
+from agent.config import RelayRule
+from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
+from agent.identity.kubernetes import PodIndex, PodInfo, parse_kubepods_path
 
-__all__ = ["PID_HINTS", "Peer", "SpanOrigin", "SpanServices", "cgroup_v2_path", "describe_peer", "ns_pids",
-           "parse_grpc_peer", "socket_owner", "tcp_socket_inode", "unresolved_hint"]
+__all__ = ["PID_HINTS", "Peer", "SpanOrigin", "SpanServices", "ThisHost", "cgroup_v2_path", "describe_peer",
+           "ns_pids", "parse_grpc_peer", "socket_owner", "tcp_socket_inode", "unresolved_hint"]
 
 # Resource attributes that name the sending process, in the order they are read.
 PID_HINTS = ("vllm.process_id", "process.pid")
+# The resource attributes an origin is read from (and the cache is keyed by).
+_HINT_KEYS = PID_HINTS + ("container.id", "k8s.pod.uid", "k8s.pod.ip", "host.name", "host.id", "service.name")
 
 # Why a span has no service (the `reason` label of slatrace_otlp_spans_unresolved_total).
 NO_PEER = "no_peer"              # the transport gave no peer address
@@ -48,6 +61,16 @@ REMOTE_PEER = "remote_peer"      # neither this host nor a pod of this node
 SOCKET_NOT_FOUND = "socket_not_found"  # a local peer whose socket is not in this network namespace
 NO_PROCESS = "no_process"        # the socket has no visible owner (another pid namespace, or closed)
 NO_CGROUP = "no_cgroup"          # the process or pod has no cgroup the agent knows
+# ... and why a trusted relay's span has none.
+RELAY_NO_ORIGIN = "relay_no_origin"                # the relay vouched for no origin attribute
+RELAY_ORIGIN_NOT_FOUND = "relay_origin_not_found"  # the pod, container or process it names is not on this node
+RELAY_OTHER_HOST = "relay_other_host"              # a pid whose host.name / host.id is another host's
+RELAY_PID_WITHOUT_HOST = "relay_pid_without_host"  # a pid alone: no host attribute says whose pid it is
+
+# How long a relayed origin is kept: a relay speaks for many processes, whose
+# pids and pods come and go, so it is looked up again soon; an unknown one sooner.
+RELAY_TTL_S = 5.0
+RELAY_UNKNOWN_TTL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +89,8 @@ class Peer:
 @dataclass(frozen=True)
 class SpanOrigin:
     service: str | None     # None: unresolved (see `reason`)
-    how: str                # "connection", "pod_ip", or the hint that narrowed it ("vllm.process_id", ...)
+    how: str                # "connection", "pod_ip", the hint that narrowed it ("vllm.process_id", ...),
+                            # or "relay:<attribute>" for a trusted relay's span
     cgroup_id: int | None = None
     pid: int | None = None  # the sending process on this host, when known
     reason: str | None = None            # why unresolved
@@ -226,6 +250,37 @@ class _Sender:
             return False
 
 
+@dataclass(frozen=True)
+class ThisHost:
+    """The names and ids this host goes by, to judge a relay's `host.name` /
+    `host.id` beside a pid."""
+
+    names: frozenset[str] = frozenset()
+    ids: frozenset[str] = frozenset()
+
+    @classmethod
+    def read(cls, proc_root: Path = Path("/proc"), env: Mapping[str, str] = os.environ) -> ThisHost:
+        """The kernel's host name, the node's name (NODE_NAME, as the DaemonSet
+        sets it) and the machine id, also as the host's pid 1 sees them (the
+        agent in a pod of its own)."""
+        names, ids = {socket.gethostname(), env.get("NODE_NAME", "")}, set()
+        for root in (Path("/"), Path(proc_root) / "1" / "root"):
+            for name, into in (("etc/hostname", names), ("etc/machine-id", ids)):
+                try:
+                    into.add((root / name).read_text().strip())
+                except OSError:
+                    pass
+        return cls(frozenset(n.lower() for n in names if n), frozenset(i.lower() for i in ids if i))
+
+    def judge(self, resource: Mapping[str, Any]) -> bool | None:
+        """Whether the resource's host is this one; None when it names no host."""
+        given = [(str(resource[k]).strip().lower(), known) for k, known in
+                 (("host.id", self.ids), ("host.name", self.names)) if isinstance(resource.get(k), str) and resource[k]]
+        if not given:
+            return None
+        return any(value in known for value, known in given)
+
+
 class SpanServices:
     def __init__(
         self,
@@ -238,6 +293,8 @@ class SpanServices:
         ttl_s: float = 60.0,
         max_cached: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        relays: Iterable[RelayRule] = (),
+        host: ThisHost = ThisHost(),
     ) -> None:
         self._cgroups = cgroups
         self._service_of = service_of
@@ -250,7 +307,22 @@ class SpanServices:
         self._lock = threading.Lock()
         # connection -> (when, pods generation, sender or reason)
         self._senders: dict[tuple, tuple[float, int, _Sender | str]] = {}
-        self._narrowed: dict[tuple, tuple[float, SpanOrigin]] = {}      # (sender, hints) -> origin
+        self._narrowed: dict[tuple, tuple[float, SpanOrigin]] = {}      # (sender, hints) -> (expiry, origin)
+        self._host = host
+        self._relays: tuple[tuple[RelayRule, Any], ...] = ()
+        self._rescanned = float("-inf")
+        self.set_relays(relays)
+
+    def set_relays(self, relays: Iterable[RelayRule]) -> None:
+        """The senders trusted to relay spans from now on."""
+        compiled = tuple((r, cgroup_glob_regex(r.cgroup) if r.cgroup else None) for r in relays)
+        with self._lock:
+            self._relays = compiled
+            self._narrowed.clear()
+
+    @property
+    def relays(self) -> tuple[RelayRule, ...]:
+        return tuple(r for r, _ in self._relays)
 
     def origin(self, peer: Peer | None, resource: Mapping[str, Any]) -> SpanOrigin:
         if peer is None:
@@ -259,17 +331,20 @@ class SpanServices:
         sender = self._sender(peer, now)
         if isinstance(sender, str):
             return SpanOrigin(None, "unresolved", reason=sender)
-        hints = tuple(repr(resource.get(k)) for k in PID_HINTS + ("container.id", "k8s.pod.uid", "service.name"))
-        key = (sender, hints)
+        key = (sender, tuple(repr(resource.get(k)) for k in _HINT_KEYS))
         with self._lock:
             hit = self._narrowed.get(key)
-        if hit is not None and now - hit[0] < self._ttl:
+        if hit is not None and now < hit[0]:
             return hit[1]
-        found = self._narrow(sender, resource)
+        if self._is_relay(sender):
+            found = self._relayed(resource)
+            ttl = min(self._ttl, RELAY_TTL_S if found.service is not None else RELAY_UNKNOWN_TTL_S)
+        else:
+            found, ttl = self._narrow(sender, resource), self._ttl
         with self._lock:
             if len(self._narrowed) >= self._max_cached:
                 self._narrowed.clear()  # rare: many distinct senders; a refill is cheap
-            self._narrowed[key] = (now, found)
+            self._narrowed[key] = (now + ttl, found)
         return found
 
     # --- the connection ----------------------------------------------------
@@ -317,16 +392,22 @@ class SpanServices:
         pod = self._pods.by_ip(str(addr)) if self._pods is not None and addr is not None else None
         if pod is None:
             return REMOTE_PEER
+        containers = self._pod_containers(pod.uid)
+        if not containers:
+            return NO_CGROUP
+        return _Sender("pod_ip", tuple(containers), pod_uid=pod.uid)
+
+    def _pod_containers(self, uid: str) -> list[tuple[str, int]]:
+        """The pod's container cgroups, busiest first: unless a hint narrows
+        it, the pod's spans are its busiest container's (the server, not its sidecars)."""
+        uid = uid.lower()
         containers = []
         for cgid, path in self._cgroups.known().items():
             ref = parse_kubepods_path(path)
-            if ref is not None and ref.pod_uid == pod.uid and ref.container_id is not None:
+            if ref is not None and ref.pod_uid == uid and ref.container_id is not None:
                 containers.append((path, cgid))
-        if not containers:
-            return NO_CGROUP
-        # Unless a hint narrows it, the pod's busiest container (the server, not its sidecars).
         containers.sort(key=lambda c: (-self._cgroups.threads(c[0]), c[0]))
-        return _Sender("pod_ip", tuple(containers), pod_uid=pod.uid)
+        return containers
 
     def _own_netns_is_not_the_hosts(self) -> bool:
         try:
@@ -373,6 +454,11 @@ class SpanServices:
             fragments = {pod_uid.lower(), pod_uid.lower().replace("-", "_")}
             if not all(any(f in p for f in fragments) for p, _ in cgroups):
                 ignored.append("k8s.pod.uid")
+        pod_ip = resource.get("k8s.pod.ip")
+        if isinstance(pod_ip, str) and pod_ip:
+            pod = self._pod_of(sender)
+            if pod is None or pod_ip not in pod.ips:
+                ignored.append("k8s.pod.ip")
         path, cgid = cgroups[0]
         service = self._service_of(cgid)
         claimed_name = resource.get("service.name")
@@ -385,17 +471,20 @@ class SpanServices:
         (host pid, cgroup path, cgroup id); () when it stays ambiguous (the
         same pid in several containers of a pod); None when no process of the
         sender's identity has that pid (the claim contradicts the connection)."""
-        if sender.pid is not None:
-            own = ns_pids(self._proc, sender.pid)
-            path, cgid = sender.cgroups[0]
-            if own and own[-1] == claimed:
-                return sender.pid, path, cgid
-            # Another process of the sender's pid namespace, in the sender's cgroup or below it.
-            ns = _pid_ns(self._proc, sender.pid)
-            candidates = [(p, cp, cc) for cp, cc in self._cgroups_under(path) for p in self._cgroups.pids(cp)]
-        else:
-            ns = None
-            candidates = [(p, cp, cc) for cp, cc in sender.cgroups for p in self._cgroups.pids(cp)]
+        if sender.pid is None:
+            return self._pid_among(sender.cgroups, claimed)
+        own = ns_pids(self._proc, sender.pid)
+        path, cgid = sender.cgroups[0]
+        if own and own[-1] == claimed:
+            return sender.pid, path, cgid
+        # Another process of the sender's pid namespace, in the sender's cgroup or below it.
+        return self._pid_among(self._cgroups_under(path), claimed, _pid_ns(self._proc, sender.pid))
+
+    def _pid_among(self, cgroups: Iterable[tuple[str, int]], claimed: int,
+                   ns: str | None = None) -> tuple[int, str, int] | tuple[()] | None:
+        """The process of these cgroups (and pid namespace `ns`, when given)
+        whose own pid is `claimed`, as `_pid_within` answers."""
+        candidates = [(p, cp, cc) for cp, cc in cgroups for p in self._cgroups.pids(cp)]
         matches = []
         for p, cp, cc in candidates:
             nsp = ns_pids(self._proc, p)
@@ -411,6 +500,107 @@ class SpanServices:
         prefix = path.rstrip("/") + "/"
         out = [(path, cgid) for cgid, p in self._cgroups.known().items() if p == path or p.startswith(prefix)]
         return out or [(path, self._cgroups.id_of(path) or 0)]
+
+    # --- trusted relays ----------------------------------------------------
+
+    def _pod_of(self, sender: _Sender) -> PodInfo | None:
+        uid = sender.pod_uid
+        if uid is None:
+            ref = parse_kubepods_path(sender.cgroups[0][0])
+            uid = ref.pod_uid if ref is not None else None
+        return self._pods.get(uid) if uid is not None and self._pods is not None else None
+
+    def _is_relay(self, sender: _Sender) -> bool:
+        relays = self._relays
+        if not relays:
+            return False
+        cgid = sender.cgroups[0][1]
+        service = self._service_of(cgid)
+        pod = self._pod_of(sender) if any(r.k8s_namespace for r, _ in relays) else None
+        for rule, cgroup_re in relays:
+            if rule.service is not None and not fnmatch.fnmatchcase(service, rule.service):
+                continue
+            if cgroup_re is not None and not any(cgroup_glob_matches(cgroup_re, p) for p, _ in sender.cgroups):
+                continue
+            if rule.pid is not None and rule.pid != sender.pid and not any(
+                    rule.pid in self._cgroups.pids(p) for p, _ in sender.cgroups):
+                continue
+            if rule.k8s_namespace is not None and (pod is None or pod.namespace != rule.k8s_namespace):
+                continue
+            if rule.k8s_service_account is not None and (pod is None or
+                                                         pod.service_account != rule.k8s_service_account):
+                continue
+            return True
+        return False
+
+    def _relayed(self, resource: Mapping[str, Any]) -> SpanOrigin:
+        """The origin a trusted relay vouches for: cgroups named by the pod or
+        container, a pid narrowing within them; or a pid of this host."""
+        ignored: list[str] = []
+        cgroups: list[tuple[str, int]] | None = None
+        how = ""
+        uid, ip = resource.get("k8s.pod.uid"), resource.get("k8s.pod.ip")
+        if isinstance(uid, str) and uid.strip():
+            cgroups, how = self._fresh(lambda: self._pod_containers(uid.strip())), "k8s.pod.uid"
+        elif isinstance(ip, str) and ip.strip():
+            pod = self._pods.by_ip(ip.strip()) if self._pods is not None else None
+            cgroups = self._fresh(lambda: self._pod_containers(pod.uid)) if pod is not None else []
+            how = "k8s.pod.ip"
+        container = resource.get("container.id")
+        if isinstance(container, str) and len(container.strip()) >= 12:
+            cid = container.strip().lower()
+            if cgroups is None:
+                cgroups, how = self._fresh(lambda: self._container_cgroups(cid)), "container.id"
+            elif cgroups:
+                within = [c for c in cgroups if cid in c[0].rsplit("/", 1)[-1]]
+                if within:
+                    cgroups = within
+                else:
+                    ignored.append("container.id")
+        attr, claimed = next(((a, p) for a in PID_HINTS if (p := _claimed_pid(resource.get(a))) is not None),
+                             (None, None))
+        if cgroups is not None:
+            if not cgroups:
+                return SpanOrigin(None, "unresolved", reason=RELAY_ORIGIN_NOT_FOUND, ignored=tuple(ignored))
+            pid = None
+            if claimed is not None:
+                match = self._pid_among(cgroups, claimed)
+                if match is None:
+                    ignored.append(attr)
+                elif match:
+                    pid, path, cgid = match
+                    cgroups = [(path, cgid)]
+            path, cgid = cgroups[0]
+            return SpanOrigin(self._service_of(cgid), "relay:" + how, cgid, pid, ignored=tuple(ignored))
+        if claimed is None:
+            return SpanOrigin(None, "unresolved", reason=RELAY_NO_ORIGIN)
+        here = self._host.judge(resource)
+        if here is None:
+            return SpanOrigin(None, "unresolved", reason=RELAY_PID_WITHOUT_HOST)
+        if not here:
+            return SpanOrigin(None, "unresolved", reason=RELAY_OTHER_HOST)
+        path, cgid = self._cgroup_of(claimed)
+        if cgid is None:
+            return SpanOrigin(None, "unresolved", reason=RELAY_ORIGIN_NOT_FOUND)
+        return SpanOrigin(self._service_of(cgid), "relay:" + attr, cgid, claimed)
+
+    def _container_cgroups(self, cid: str) -> list[tuple[str, int]]:
+        """Cgroups of the container `cid` (a full id or a prefix of 12 or more
+        characters): kubepods containers, docker-<id>.scope, libpod-<id>.scope, /docker/<id>."""
+        return sorted((path, cgid) for cgid, path in self._cgroups.known().items()
+                      if cid in path.rsplit("/", 1)[-1])
+
+    def _fresh(self, find: Callable[[], list[tuple[str, int]]]) -> list[tuple[str, int]]:
+        """`find()` over the known cgroups; when it finds nothing, once more
+        after a rescan (at most once a second): a pod started a moment ago."""
+        found = find()
+        rescan = getattr(self._cgroups, "rescan", None)
+        now = self._clock()
+        if not found and rescan is not None and now - self._rescanned >= 1.0:
+            self._rescanned = now
+            rescan()
+            found = find()
+        return found
 
 
 def describe_peer(peer: Peer | None) -> str:
@@ -431,5 +621,13 @@ def unresolved_hint(reason: str) -> str:
                     "(hostPID: true), and give it CAP_SYS_PTRACE if the sender runs as another user "
                     "(its /proc/PID/fd is unreadable otherwise)",
         NO_CGROUP: "its cgroup is not under the agent's cgroup2 mount; mount the host's cgroup2 tree",
+        RELAY_NO_ORIGIN: "the relay vouched for no origin; have it add k8s.pod.uid (the Collector's "
+                         "k8sattributes processor) or process.pid with host.name (resourcedetection)",
+        RELAY_ORIGIN_NOT_FOUND: "the pod, container or process the relay names is not on this node; send each "
+                                "node's spans through a relay on that node (a DaemonSet collector)",
+        RELAY_OTHER_HOST: "the relay names a process of another host; send each node's spans through a relay "
+                          "on that node",
+        RELAY_PID_WITHOUT_HOST: "a pid alone names no process; have the relay add host.name or host.id "
+                                "(the Collector's resourcedetection processor), or k8s.pod.uid",
     }.get(reason, "see the agent's documentation")
 

@@ -19,7 +19,7 @@ from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
-from agent.traces.identity import SpanServices
+from agent.traces.identity import SpanServices, ThisHost
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits
 from agent.traces.pipeline import RequestPipeline
@@ -67,8 +67,10 @@ class Traces:
 
             self.forwarder = Forwarder(make_exporter(otlp_endpoint, otlp_protocol), self.counters)
         spans = config.request_spans
+        self.span_services = SpanServices(cgroups, service_of, known_services, pods=pods,
+                                          relays=config.otlp_relays, host=ThisHost.read())
         self.pipeline = RequestPipeline(
-            sched, SpanServices(cgroups, service_of, known_services, pods=pods), config.slos, self.store, self.counters,
+            sched, self.span_services, config.slos, self.store, self.counters,
             self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules))
         self._sched = sched
         self.servers = ServerProcesses(cgroups, service_of, spans.servers, spans.watch)
@@ -81,7 +83,7 @@ class Traces:
         self.http = None
 
     def routes(self) -> dict:
-        return request_routes(self.store)
+        return request_routes(self.store, self.counters, lambda: self.span_services.relays)
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(TraceCollector(self.counters))
