@@ -13,13 +13,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from agent.probe.snapshot import SchedEvent
+from agent.attribution.critical_path import critical_delay
+from agent.probe.snapshot import EV_PREEMPTED, SchedEvent
 from agent.store.events import EventLog
 from agent.store.store import IDLE, UNKNOWN_SERVICE, Store
 
 
 @dataclass(frozen=True)
 class RequestSched:
+    # thread-seconds: the run-queue waits of every thread of the service inside
+    # the window, added up (exceeds the request's duration on a many-threaded server)
     runq_wait_seconds: float
     preemptions: int
     preempted_by: tuple[tuple[str, float], ...]   # (service, wait seconds), largest first
@@ -30,9 +33,18 @@ class RequestSched:
     waited_behind: tuple[tuple[str, float], ...] = ()
     # the wait by the service's own (pid, process name, thread name), largest first (exact figures only)
     by_thread: tuple[tuple[int, str, str, float], ...] = ()
+    # wall-clock seconds the request's work spent waiting for a CPU (never
+    # more than its duration; agent/attribution/critical_path.py), and by whom
+    delay_seconds: float = 0.0
+    delay_by: tuple[tuple[str, float], ...] = ()
+    # the threads whose waits make up the delay (exact figures only)
+    delay_threads: int = 0
 
     def as_dict(self) -> dict:
         return {
+            "delay_seconds": self.delay_seconds,
+            "delay_by": [{"service": s, "seconds": w} for s, w in self.delay_by],
+            "runq_thread_seconds": self.runq_wait_seconds,
             "runq_wait_seconds": self.runq_wait_seconds,
             "preemptions": self.preemptions,
             "preempted_by": [{"service": s, "wait_seconds": w} for s, w in self.preempted_by],
@@ -102,8 +114,25 @@ class IntervalSched:
                 by[culprit] = by.get(culprit, 0.0) + p.wait_ns / 1e9 * share
             for holder, p in figures.waited_behind.items():
                 behind[holder] = behind.get(holder, 0.0) + p.wait_ns / 1e9 * share
+        delay, delay_by = capped_delay(runq, by, behind, end - start)
         return RequestSched(runq, round(preemptions), _ranked(by), iowait, round(migrations), self._interval,
-                            _ranked(behind))
+                            _ranked(behind), delay_seconds=delay, delay_by=delay_by)
+
+
+def capped_delay(runq: float, preempted_by: dict[str, float], behind: dict[str, float],
+                 duration: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """Without per-wait events the critical path cannot be drawn: the delay is
+    the thread-seconds capped at the request's duration (an upper bound), split
+    like the waits."""
+    split: dict[str, float] = {}
+    for name, wait in list(preempted_by.items()) + list(behind.items()):
+        split[name] = split.get(name, 0.0) + wait
+    rest = runq - sum(split.values())
+    if rest > 1e-12:
+        split[UNKNOWN_SERVICE] = split.get(UNKNOWN_SERVICE, 0.0) + rest
+    delay = max(0.0, min(runq, duration))
+    scale = delay / runq if runq > 0 else 0.0
+    return delay, _ranked({name: wait * scale for name, wait in split.items() if wait > 0})
 
 
 def wall_minus_mono_ns() -> int:
@@ -219,9 +248,30 @@ class EventSched:
         for cgid, wait_ns in f.behind.items():
             name = self._service_of(cgid) if cgid else IDLE
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
+        waits = self._log.thread_waits(cgids, lo, hi)
+        critical = [tid for tid in waits if self._carries_work(tid)]
+        delay = critical_delay({tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in waits[tid]]
+                                for tid in critical}, critical)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
-                            by_thread=self._by_thread(self._log.waits_by_thread(cgids, lo, hi)))
+                            by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)
+                                                       for tid, w in waits.items()}),
+                            delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical))
+
+    def _culprit(self, kind: int, other: int) -> str:
+        """Who kept the CPU from a wait: the preemptor, or whoever held the CPU
+        the thread woke up to (`idle`: nobody)."""
+        if other:
+            return self._service_of(other)
+        return UNKNOWN_SERVICE if kind == EV_PREEMPTED else IDLE
+
+    def _carries_work(self, tid: int) -> bool:
+        """A thread named like its process: the main thread (an engine's step
+        loop, an API server's event loop) and the Python and OpenMP threads it
+        starts, which keep the name. Library helpers that wait on timers and
+        sockets name themselves (gloo's TCP loops, ZMQ's background threads)."""
+        names = self._thread_names(tid)
+        return names is not None and names[1] == names[2]
 
     def _by_thread(self, waits: dict[int, int]) -> tuple[tuple[int, str, str, float], ...]:
         """Waits by (pid, process, thread name): a pool's threads share a name and add up."""

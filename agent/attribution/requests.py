@@ -15,7 +15,7 @@ from agent.attribution.request_span import RequestSpan
 from agent.attribution.slo import REQUEST_SLOS, judge_request
 from agent.config import Slo
 from agent.durations import fmt_seconds
-from agent.store.store import IDLE
+from agent.store.store import IDLE, UNKNOWN_SERVICE
 
 __all__ = [
     "Cause",
@@ -44,19 +44,19 @@ class Cause:
 
 
 def causes(sched: RequestSched) -> list[Cause]:
-    """What the request's service lost, split into causes, largest first."""
-    per_culprit: dict[str, float] = {}
-    for culprit, wait in sched.preempted_by + sched.waited_behind:
-        if culprit != IDLE:
-            per_culprit[culprit] = per_culprit.get(culprit, 0.0) + wait
-    out = [Cause("contention", wait, culprit) for culprit, wait in per_culprit.items() if wait > 0]
-    idle = sum(wait for holder, wait in sched.waited_behind if holder == IDLE)
-    if idle > 0:
-        out.append(Cause("wakeup", idle))
-    # Wait no culprit was recorded for (figures from interval totals).
-    rest = sched.runq_wait_seconds - sum(per_culprit.values()) - idle
-    if rest > 1e-9:
-        out.append(Cause("runq", rest))
+    """What the request lost, split into causes, largest first: its delay
+    (wall-clock, on the request's critical path) by who kept the CPU, then
+    the I/O wait."""
+    out = []
+    for culprit, seconds in sched.delay_by:
+        if seconds <= 0:
+            continue
+        if culprit == IDLE:
+            out.append(Cause("wakeup", seconds))
+        elif culprit == UNKNOWN_SERVICE:
+            out.append(Cause("runq", seconds))   # no culprit recorded
+        else:
+            out.append(Cause("contention", seconds, culprit))
     if sched.iowait_seconds > 0:
         out.append(Cause("iowait", sched.iowait_seconds))
     out.sort(key=lambda c: c.seconds, reverse=True)
@@ -73,7 +73,7 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
     ranked = causes(sched)
     if not ranked or (ranked[0].seconds < SIGNIFICANT_SECONDS
                       and ranked[0].seconds < SIGNIFICANT_SHARE * max(span.e2e, 1e-9)):
-        return f"no significant scheduling delay (runq wait {fmt_seconds(sched.runq_wait_seconds)})"
+        return f"no significant scheduling delay (waited for a CPU {fmt_seconds(sched.delay_seconds)})"
     top = ranked[0]
     share = f"{top.seconds / span.e2e:.0%} of {fmt_seconds(span.e2e)} end to end" if span.e2e > 0 else \
         "of a request of no measurable duration"
@@ -84,7 +84,7 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) 
     elif top.kind == "wakeup":
         what = "wake-up latency on idle CPUs"
     elif top.kind == "runq":
-        what = f"run-queue wait without preemption (CPUs saturated within {service})"
+        what = "run-queue wait without a recorded culprit"
     else:
         what = "I/O wait (D state)"
     return f"{what} added {fmt_seconds(top.seconds)} ({share})"
@@ -121,7 +121,7 @@ def request_document(span: RequestSpan, service: str | None, how: str, sched: Re
         # whole request (the source fell behind); they may then be low.
         "sched_complete": complete and sched is not None,
         "slo": slo,
-        # who cost the request the most CPU time, preempting or holding the CPU
+        # who delayed the request the most, preempting its work or holding the CPU it woke up to
         "culprits": [{"service": c.culprit, "wait_seconds": c.seconds}
                      for c in (causes(sched) if sched is not None else []) if c.kind == "contention"],
         "verdict": verdict(span, sched, service),

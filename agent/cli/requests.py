@@ -90,15 +90,17 @@ def print_requests(doc: dict) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     table = Table()
-    for col in ("request", "service", "e2e", "ttft", "runq wait", "preempt", "top culprit", "SLO", "verdict"):
-        table.add_column(col, justify="right" if col in ("e2e", "ttft", "runq wait", "preempt") else "left",
-                         overflow="fold")
+    numbers = ("e2e", "ttft", "cpu delay", "thread-s", "preempt")
+    for col in ("request", "service", "e2e", "ttft", "cpu delay", "thread-s", "preempt", "top culprit", "SLO",
+                "verdict"):
+        table.add_column(col, justify="right" if col in numbers else "left", overflow="fold")
     for r in doc.get("requests", []):
         sched = r.get("sched") or {}
-        by = r.get("culprits") or sched.get("preempted_by") or []
+        by = r.get("culprits") or []
         table.add_row(
             r["request_id"], r["service"], fmt_seconds(r.get("e2e")), fmt_seconds(r.get("ttft")),
-            fmt_seconds(sched.get("runq_wait_seconds")), str(sched.get("preemptions", "-")),
+            fmt_seconds(sched.get("delay_seconds")), fmt_seconds(sched.get("runq_thread_seconds")),
+            str(sched.get("preemptions", "-")),
             f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by else "-",
             _slo_text(r.get("slo") or []), r.get("verdict", ""),
         )
@@ -125,8 +127,8 @@ def _finite(value) -> float:
 
 
 def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
-    """(label, bar, duration) rows: the request's phases, then what the
-    scheduler took (drawn from the start: the kernel says how much, not when)."""
+    """(label, bar, duration) rows: the request's phases, then how long its
+    work waited for a CPU, by whom (drawn from the start: how much, not when)."""
     e2e = doc.get("e2e") or 0.0
     rows = [("end to end", _bar(0, e2e, e2e, "bold", width), fmt_seconds(e2e))]
     phases = doc.get("phases") or {}
@@ -141,15 +143,16 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     if ttft is not None:
         rows.append(("first token", _bar(0, ttft, e2e, "green", width), fmt_seconds(ttft)))
     sched = doc.get("sched") or {}
-    for by in sched.get("preempted_by") or []:
-        rows.append((f"preempted by {by['service']}", _bar(0, by["wait_seconds"], e2e, "red", width),
-                     fmt_seconds(by["wait_seconds"])))
-    for by in sched.get("waited_behind") or []:
-        label = "woke to an idle CPU" if by["service"] == "idle" else f"woke behind {by['service']}"
-        rows.append((label, _bar(0, by["wait_seconds"], e2e, "red", width), fmt_seconds(by["wait_seconds"])))
     if sched:
-        rows.append(("run-queue wait", _bar(0, sched["runq_wait_seconds"], e2e, "yellow", width),
-                     fmt_seconds(sched["runq_wait_seconds"])))
+        delay = sched.get("delay_seconds")
+        rows.append(("waited for a CPU", _bar(0, delay, e2e, "yellow", width), fmt_seconds(delay)))
+    service = doc.get("service")
+    for by in sched.get("delay_by") or []:
+        who = by["service"]
+        label = ("  woke to an idle CPU" if who == "idle" else "  behind its own threads" if who == service
+                 else "  no culprit recorded" if who == "unknown" else f"  because of {who}")
+        rows.append((label, _bar(0, by["seconds"], e2e, "red", width), fmt_seconds(by["seconds"])))
+    if sched:
         if sched.get("iowait_seconds"):
             rows.append(("I/O wait", _bar(0, sched["iowait_seconds"], e2e, "magenta", width),
                          fmt_seconds(sched["iowait_seconds"])))
@@ -173,7 +176,9 @@ def print_explain(doc: dict) -> None:
     console.print(table)
     sched = doc.get("sched")
     if sched:
-        console.print(f"preemptions {sched['preemptions']}   migrations {sched['migrations']}   "
+        console.print(f"run-queue wait of all its threads {fmt_seconds(sched.get('runq_thread_seconds'))} "
+                      "(thread-seconds)   "
+                      f"preemptions {sched['preemptions']}   migrations {sched['migrations']}   "
                       f"iowait {fmt_seconds(sched['iowait_seconds'])}   "
                       f"resolution {fmt_seconds(doc.get('sched_resolution_seconds'))}"
                       + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))

@@ -196,7 +196,8 @@ SLO_OK = _spec("slatrace_slo_ok", "gauge",
                f"1 when the SLO holds over the last {QUANTILE_WINDOW_S:.0f} s (or had no samples), 0 when broken.",
                ("service", "slo"), "1", source="config slos")
 REQUEST_SCHED_DELAY = _spec("slatrace_request_sched_delay_seconds", "histogram",
-                            "Per request span: run-queue wait of the service's tasks during the request.",
+                            "Per request span: how much longer the request took because its work waited for a CPU "
+                            "(wall-clock, on its critical path; never more than its duration).",
                             _SVC, "s", source="hook: Sources.request_sched_delay")
 UNTRACED = _spec("slatrace_untraced_events", "counter",
                  "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "

@@ -35,8 +35,12 @@ class _Column:
     end: array = field(default_factory=lambda: array("Q"))
     cum: array = field(default_factory=lambda: array("Q", [0]))
     max_len_ns: int = 0
+    # A thread's column also keeps each wait's kind and other cgroup (who
+    # preempted it, or held the CPU it woke up to), for the critical path.
+    kind: array | None = None
+    other: array | None = None
 
-    def add(self, start: int, end: int) -> None:
+    def add(self, start: int, end: int, kind: int = 0, other: int = 0) -> None:
         duration = end - start
         self.max_len_ns = max(self.max_len_ns, duration)
         if self.end and end < self.end[-1]:
@@ -45,18 +49,41 @@ class _Column:
             i = bisect_right(self.end, end)
             self.end.insert(i, end)
             self.start.insert(i, start)
+            if self.kind is not None:
+                self.kind.insert(i, kind)
+                self.other.insert(i, other)
             self.cum.insert(i + 1, 0)
             for j in range(i + 1, len(self.cum)):
                 self.cum[j] = self.cum[j - 1] + (self.end[j - 1] - self.start[j - 1])
             return
         self.end.append(end)
         self.start.append(start)
+        if self.kind is not None:
+            self.kind.append(kind)
+            self.other.append(other)
         self.cum.append(self.cum[-1] + duration)
+
+    def clipped(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
+        """(start, end, kind, other) of the events overlapping [lo, hi], clipped to it."""
+        out = []
+        n = len(self.end)
+        k = bisect_left(self.end, lo)
+        reach = hi + self.max_len_ns
+        while k < n and self.end[k] <= reach:
+            s, e = max(self.start[k], lo), min(self.end[k], hi)
+            if s < e:
+                out.append((s, e, self.kind[k] if self.kind is not None else 0,
+                            self.other[k] if self.other is not None else 0))
+            k += 1
+        return out
 
     def drop_first(self, n: int) -> None:
         del self.start[:n]
         del self.end[:n]
         del self.cum[:n]
+        if self.kind is not None:
+            del self.kind[:n]
+            del self.other[:n]
 
     def __len__(self) -> int:
         return len(self.end)
@@ -128,8 +155,8 @@ class EventLog:
                 if e.kind in (EV_RUNQ, EV_PREEMPTED) and e.tid:
                     by_thread = columns.get((THREAD_KEY, e.tid))
                     if by_thread is None:
-                        by_thread = columns[(THREAD_KEY, e.tid)] = _Column()
-                    by_thread.add(e.start_ns, e.end_ns)
+                        by_thread = columns[(THREAD_KEY, e.tid)] = _Column(kind=array("B"), other=array("Q"))
+                    by_thread.add(e.start_ns, e.end_ns, e.kind, e.other_cgid)
                     self._thread_count += 1
                 if e.end_ns > newest:
                     newest = e.end_ns
@@ -192,6 +219,19 @@ class EventLog:
                         runq_count += count
                         behind[other] = behind.get(other, 0) + total
         return WindowFigures(runq, runq_count, preemptions, by, behind, iowait, migrations)
+
+    def thread_waits(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, list[tuple[int, int, int, int]]]:
+        """tid -> the run-queue waits (start, end, kind, other cgroup) of the
+        cgroups' threads overlapping [start_ns, end_ns], clipped to it."""
+        out: dict[int, list[tuple[int, int, int, int]]] = {}
+        with self._lock:
+            for cgid in cgids:
+                for (kind, tid), col in self._cgroups.get(cgid, {}).items():
+                    if kind == THREAD_KEY:
+                        waits = col.clipped(start_ns, end_ns)
+                        if waits:
+                            out.setdefault(tid, []).extend(waits)
+        return out
 
     def waits_by_thread(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, int]:
         """tid -> run-queue wait (ns) of the cgroups' threads clipped to [start_ns, end_ns]."""

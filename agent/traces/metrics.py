@@ -73,9 +73,10 @@ class TraceCounters:
         with self._lock:
             self.claims_ignored[attribute] = self.claims_ignored.get(attribute, 0) + 1
 
-    def add_request(self, service: str, runq_wait_s: float | None, slo: list[dict], end: float) -> None:
-        """One attributed request: its run-queue wait and its judged request
-        SLOs (`{name, target, value, ok}` as in the REQUEST document)."""
+    def add_request(self, service: str, delay_s: float | None, slo: list[dict], end: float) -> None:
+        """One attributed request: its scheduling delay (wall-clock, on its
+        critical path) and its judged request SLOs (`{name, target, value,
+        ok}` as in the REQUEST document)."""
         with self._lock:
             self.requests[service] = self.requests.get(service, 0) + 1
             for judged in slo:
@@ -84,10 +85,10 @@ class TraceCounters:
                     self.breaches[key] = self.breaches.get(key, 0) + 1
                 self._slo_samples.setdefault(key, deque(maxlen=SLO_SAMPLES)).append((end, judged["value"]))
                 self._slo_targets[key] = judged["target"]
-            if runq_wait_s is not None:
+            if delay_s is not None:
                 counts, total = self._delay.setdefault(service, ([0] * (len(self._bounds) + 1), [0.0]))
-                counts[bisect.bisect_left(self._bounds, runq_wait_s)] += 1
-                total[0] += runq_wait_s
+                counts[bisect.bisect_left(self._bounds, delay_s)] += 1
+                total[0] += delay_s
 
     def add_truncated(self, n: int) -> None:
         if n:

@@ -234,7 +234,7 @@ class RequestPipeline:
         slo = judge(span, self._slos, service)
         doc = request_document(span, service, item.origin.how, sched, slo, complete)
         self.store.add(doc)
-        self.counters.add_request(doc["service"], sched.runq_wait_seconds if sched else None, slo, span.end)
+        self.counters.add_request(doc["service"], sched.delay_seconds if sched else None, slo, span.end)
         if self._sink is not None and item.proto is not None:
             self._sink.forward(*item.proto, extra=enrichment(doc))
 
@@ -287,6 +287,8 @@ def enrichment(doc: dict) -> dict:
     sched = doc["sched"]
     if sched is not None:
         out.update({
+            "slatrace.delay_seconds": sched["delay_seconds"],
+            "slatrace.runq_thread_seconds": sched["runq_thread_seconds"],
             "slatrace.runq_wait_seconds": sched["runq_wait_seconds"],
             "slatrace.preemptions": sched["preemptions"],
             "slatrace.iowait_seconds": sched["iowait_seconds"],

@@ -103,3 +103,14 @@ def test_thread_columns_of_dead_threads_are_dropped_with_their_events():
     log.add([SchedEvent(10, EV_RUNQ, 5_000_000, 5_000_010, 0, 7)])  # the others age out
     assert log.waits_by_thread({10}, 0, 10**9) == {7: 10}
     assert len(log._cgroups[10]) == 2   # one (kind, other) column and one thread's
+
+
+def test_thread_waits_keep_kind_and_culprit_in_end_order_and_clip():
+    # Submitted out of order, as CPUs fill the ring buffer: each wait keeps its own kind and culprit.
+    log = EventLog(retention_ns=10**12)
+    log.add([SchedEvent(10, EV_RUNQ, 100, 200, 0, 7), SchedEvent(10, EV_PREEMPTED, 300, 400, 11, 7),
+             SchedEvent(10, EV_PREEMPTED, 210, 250, 12, 7), SchedEvent(10, EV_RUNQ, 50, 500, 13, 8)])
+    assert log.thread_waits({10}, 150, 350) == {7: [(150, 200, EV_RUNQ, 0), (210, 250, EV_PREEMPTED, 12),
+                                                     (300, 350, EV_PREEMPTED, 11)],
+                                                8: [(150, 350, EV_RUNQ, 13)]}
+    assert log.thread_waits({10}, 600, 700) == {} and log.thread_waits({99}, 0, 1000) == {}

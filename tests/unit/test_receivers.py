@@ -63,7 +63,9 @@ class FakeSched:
     def between(self, service: str, start: float, end: float) -> RequestSched:
         self.calls.append((service, start, end))
         d = end - start
-        return RequestSched(0.1 * d, 7, (("batch", 0.08 * d),), 0.0, 2, 1e-6)
+        # 0.1 d thread-seconds, of which 0.06 d delayed the request (0.05 d by batch)
+        return RequestSched(0.1 * d, 7, (("batch", 0.08 * d),), 0.0, 2, 1e-6,
+                            delay_seconds=0.06 * d, delay_by=(("batch", 0.05 * d), ("idle", 0.01 * d)))
 
 
 def own_services() -> SpanServices:
@@ -144,7 +146,8 @@ def test_sdk_exporters_deliver_and_requests_are_attributed_over_their_window(tra
         assert doc["sched"]["runq_wait_seconds"] == pytest.approx(0.06, rel=1e-6)
         assert doc["sched"]["preempted_by"] == [{"service": "batch", "wait_seconds": pytest.approx(0.048)}]
         assert doc["slo"] == [{"name": "request_e2e_p99", "target": 0.5, "value": 0.6, "ok": False}]
-        assert doc["verdict"] == "CPU contention from batch added 48 ms (8% of 0.60 s end to end)"
+        assert doc["sched"]["delay_seconds"] == pytest.approx(0.036, rel=1e-6)
+        assert doc["verdict"] == "CPU contention from batch added 30 ms (5% of 0.60 s end to end)"
     assert set(sched.watched) == {"vllm"}
     assert counters.received[transport] == 3
     assert counters.breach_counts() == {("vllm", "request_e2e_p99"): 3}
@@ -317,8 +320,9 @@ def test_request_breaches_and_delay_reach_the_main_collector(traces):
     assert target.labels == ok.labels == ("vllm", "request_e2e_p99") and target.value == judged["target"]
     assert ok.value == 1.0 and not families["slatrace_slo_value_seconds"].points
     [delay] = families["slatrace_request_sched_delay_seconds"].points
-    runq = store.query()[0]["sched"]["runq_wait_seconds"]
+    runq = store.query()[0]["sched"]["delay_seconds"]  # the delay, not the thread-seconds
     assert delay.count == 1 and delay.sum == pytest.approx(runq)
+    assert runq == pytest.approx(0.6 * store.query()[0]["sched"]["runq_thread_seconds"])
     below = [n for bound, n in zip(delay.bounds, delay.cumulative) if bound < runq]
     assert below and all(n == 0 for n in below)
     names = {f.name for f in TraceCollector(counters).collect()}
@@ -394,7 +398,10 @@ def test_forwarding_keeps_ids_and_enriches_request_spans(protocol):
     assert attrs["gen_ai.request.id"] == "cmpl-8c5d1c2e4b7a4f0e9d3b6a1f2e7c9d40"
     duration = (fwd.end_time_unix_nano - fwd.start_time_unix_nano) / 1e9
     assert attrs["slatrace.runq_wait_seconds"] == pytest.approx(0.1 * duration)
+    assert attrs["slatrace.runq_thread_seconds"] == pytest.approx(0.1 * duration)
+    assert attrs["slatrace.delay_seconds"] == pytest.approx(0.06 * duration)
     assert attrs["slatrace.top_culprit"] == "batch" and attrs["slatrace.preemptions"] == 7
+    assert attrs["slatrace.top_culprit_wait_seconds"] == pytest.approx(0.05 * duration)
     assert attrs["slatrace.verdict"].startswith("CPU contention from batch")
     assert attributes(rs.resource.attributes)["service.name"] == "unknown_service:python"
     _, plain = spans["http.request"]

@@ -43,7 +43,8 @@ class Sched:
         return float("inf")
 
     def between(self, service: str, start: float, end: float) -> RequestSched:
-        return RequestSched(0.1 * (end - start), 1, (("batch", 0.1 * (end - start)),), 0.0, 0, 1e-6)
+        return RequestSched(0.1 * (end - start), 1, (("batch", 0.1 * (end - start)),), 0.0, 0, 1e-6,
+                            delay_seconds=0.1 * (end - start), delay_by=(("batch", 0.1 * (end - start)),))
 
 
 class OneService:

@@ -238,34 +238,46 @@ def span(e2e: float = 1.8, ttft: float | None = 0.4) -> RequestSpan:
                        prefill=0.3, decode=1.4)
 
 
-def sched(runq: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 0.0) -> RequestSched:
-    return RequestSched(runq, 37, by, iowait, 3, 1e-6)
+def sched(delay: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 0.0,
+          thread_seconds: float | None = None) -> RequestSched:
+    """Figures whose delay is `delay`, split as `by` (the rest without a
+    recorded culprit), over `thread_seconds` of waits (4x the delay by default)."""
+    rest = delay - sum(w for _, w in by)
+    split = by + ((("unknown", rest),) if rest > 1e-12 else ())
+    runq = 4 * delay if thread_seconds is None else thread_seconds
+    return RequestSched(runq, 37, tuple((s, 4 * w) for s, w in by), iowait, 3, 1e-6,
+                        delay_seconds=delay, delay_by=split)
 
 
 def test_verdict_names_the_largest_culprit_with_its_share():
     s = sched(0.42, (("batch/etl", 0.38), ("host", 0.02)))
+    # The delay (0.38 s of 0.42), not the thread-seconds (4x as much), in the sentence.
     assert verdict(span(), s, "vllm") == "CPU contention from batch/etl added 0.38 s (21% of 1.80 s end to end)"
     assert [c.kind for c in causes(s)] == ["contention", "contention", "runq"]
     assert causes(s)[2].seconds == pytest.approx(0.02)
 
 
-def test_waits_behind_a_holder_count_for_that_culprit():
-    # 0.1 s preempted by batch + 0.25 s woken up while batch held the CPU: one
-    # culprit of 0.35 s; 0.05 s of wake-up latency on an idle CPU is nobody's.
-    s = RequestSched(0.42, 5, (("batch", 0.1),), 0.0, 1, 1e-6,
-                     waited_behind=(("batch", 0.25), ("idle", 0.05), ("vllm", 0.02)))
+def test_the_delay_by_culprit_names_idle_and_self():
+    # 0.35 s held up by batch (preempting or holding the CPU the work woke up
+    # to), 0.05 s of wake-up latency on an idle CPU is nobody's, 0.02 s behind
+    # the service's own threads.
+    s = RequestSched(1.9, 5, (("batch", 0.4),), 0.0, 1, 1e-6, waited_behind=(("batch", 1.0), ("idle", 0.2)),
+                     delay_seconds=0.42, delay_by=(("batch", 0.35), ("idle", 0.05), ("vllm", 0.02)))
     assert [(c.kind, c.culprit, round(c.seconds, 3)) for c in causes(s)] == [
         ("contention", "batch", 0.35), ("wakeup", None, 0.05), ("contention", "vllm", 0.02)]
     assert verdict(span(), s, "vllm") == "CPU contention from batch added 0.35 s (19% of 1.80 s end to end)"
-    only_self = RequestSched(0.3, 0, (), 0.0, 0, 1e-6, waited_behind=(("vllm", 0.3),))
+    only_self = RequestSched(0.9, 0, (), 0.0, 0, 1e-6, waited_behind=(("vllm", 0.9),),
+                             delay_seconds=0.3, delay_by=(("vllm", 0.3),))
     assert verdict(span(), only_self, "vllm").startswith("run-queue wait behind its own threads")
 
 
 def test_verdict_other_causes_and_noise():
-    assert verdict(span(), sched(0.002), "vllm") == "no significant scheduling delay (runq wait 2 ms)"
+    # 40 ms of thread-seconds, 2 ms of delay: no significant delay.
+    assert verdict(span(), sched(0.002, thread_seconds=0.04), "vllm") == \
+        "no significant scheduling delay (waited for a CPU 2 ms)"
     assert verdict(span(), sched(0.01, iowait=0.5), "vllm") == \
         "I/O wait (D state) added 0.50 s (28% of 1.80 s end to end)"
-    assert verdict(span(), sched(0.3), "vllm").startswith("run-queue wait without preemption")
+    assert verdict(span(), sched(0.3), "vllm").startswith("run-queue wait without a recorded culprit")
     assert "no scheduling figures" in verdict(span(), None, None)
     assert fmt_seconds(0.0004) == "0.40 ms" and fmt_seconds(0.025) == "25 ms" and fmt_seconds(0.0031) == "3.1 ms"
 
@@ -280,11 +292,15 @@ def test_request_slos_judge_e2e_and_ttft():
 
 
 def test_request_document_has_the_spec_shape():
-    doc = request_document(span(), "vllm", "process.pid", sched(0.21, (("batch", 0.19),)), [], True)
+    doc = request_document(span(), "vllm", "process.pid", sched(0.21, (("batch", 0.19),), thread_seconds=0.84),
+                           [], True)
     assert {"request_id", "trace_id", "service", "start", "end", "e2e", "ttft", "queue", "sched", "slo",
             "verdict"} <= set(doc)
-    assert doc["sched"] == {"runq_wait_seconds": 0.21, "preemptions": 37,
-                            "preempted_by": [{"service": "batch", "wait_seconds": 0.19}],
+    assert doc["sched"] == {"delay_seconds": 0.21,
+                            "delay_by": [{"service": "batch", "seconds": 0.19},
+                                         {"service": "unknown", "seconds": pytest.approx(0.02)}],
+                            "runq_thread_seconds": 0.84, "runq_wait_seconds": 0.84, "preemptions": 37,
+                            "preempted_by": [{"service": "batch", "wait_seconds": 0.76}],
                             "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": []}
     assert doc["culprits"] == [{"service": "batch", "wait_seconds": 0.19}]
     json.dumps(doc)

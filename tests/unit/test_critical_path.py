@@ -1,0 +1,116 @@
+"""A request's delay: the wall-clock union of the waits of the threads that
+carry its work, split by culprit — against figures computed by hand."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from agent.attribution.critical_path import critical_delay
+from agent.attribution.request_sched import EventSched, capped_delay
+from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent
+from agent.store.events import EventLog
+
+MS = 1_000_000
+
+
+def test_union_and_split_by_hand():
+    # Window [0, 100] ms. The step loop A waits 10-30 (batch preempted it) and
+    # 50-60 (woke to an idle CPU); the event loop B waits 20-40 behind the
+    # service's own threads; the helper C waits the whole window.
+    waits = {1: [(10 * MS, 30 * MS, "batch"), (50 * MS, 60 * MS, "idle")],
+             2: [(20 * MS, 40 * MS, "vllm")],
+             3: [(0, 100 * MS, "batch")]}
+    d = critical_delay(waits, threads=[1, 2])
+    # Union: [10, 40] + [50, 60] = 40 ms (thread-seconds of A and B: 50 ms; of all three: 150 ms).
+    assert d.seconds == pytest.approx(0.040)
+    # 10-20 batch alone; 20-30 batch and vllm at once, 5 ms each; 30-40 vllm; 50-60 idle.
+    assert d.by == (("batch", pytest.approx(0.015)), ("vllm", pytest.approx(0.015)), ("idle", pytest.approx(0.010)))
+    # With the helper: the whole window, never more.
+    everyone = critical_delay(waits, threads=[1, 2, 3])
+    assert everyone.seconds == pytest.approx(0.100)
+    # 0-10 C; 10-20 A+C (both batch); 20-30 A, B, C: 2/3 batch + 1/3 vllm; 30-40 B+C; 40-50 C; 50-60 A+C; 60-100 C.
+    assert dict(everyone.by) == pytest.approx({"batch": (10 + 10 + 20 / 3 + 5 + 10 + 5 + 40) / 1e3,
+                                               "vllm": (10 / 3 + 5) / 1e3, "idle": 5 / 1e3})
+
+
+def test_touching_and_empty_waits():
+    assert critical_delay({1: [(0, 10, "a"), (10, 20, "b")], 2: [(5, 5, "c")]}, [1, 2]).seconds == pytest.approx(20e-9)
+    assert critical_delay({}, [1]).seconds == 0.0 and critical_delay({}, [1]).by == ()
+
+
+def test_never_more_than_the_window_and_the_split_adds_up():
+    rng = random.Random(7)
+    for _ in range(200):
+        window = rng.randrange(1, 10**6)
+        waits = {}
+        for tid in range(rng.randrange(1, 60)):
+            t, ws = 0, []
+            while t < window:
+                start = t + rng.randrange(0, window // 4 + 1)
+                end = min(window, start + rng.randrange(0, window // 3 + 1))
+                if start < end:
+                    ws.append((start, end, rng.choice(["batch", "idle", "vllm"])))
+                t = end + 1
+            waits[tid] = ws
+        d = critical_delay(waits, waits)
+        assert d.seconds <= window / 1e9 + 1e-15
+        assert sum(s for _, s in d.by) == pytest.approx(d.seconds, abs=1e-15)
+        if window < 5000:  # small enough to count every covered nanosecond
+            covered = {t for ws in waits.values() for s, e, _ in ws for t in range(s, e)}
+            assert d.seconds == pytest.approx(len(covered) / 1e9)
+        assert list(d.by) == sorted(d.by, key=lambda kv: kv[1], reverse=True)
+
+
+class Fallback:
+    def covered_until(self) -> float:
+        return 0.0
+
+    def between(self, service, start, end):
+        raise AssertionError("exact figures expected")
+
+
+def test_event_sched_counts_the_threads_named_like_their_process():
+    # Two processes of one service: an engine (pid 100: its loop 100 and an
+    # output thread 101, both named like it, and gloo's TCP loop 102) and an
+    # API server (pid 200). Other cgroups: 11 = batch; 0 = idle when woken.
+    names = {100: (100, "VLLM::EngineCor", "VLLM::EngineCor"), 101: (100, "VLLM::EngineCor", "VLLM::EngineCor"),
+             102: (100, "VLLM::EngineCor", "gloo_tcp_loop"), 200: (200, "vllm", "vllm")}
+    log = EventLog(retention_ns=10**15)
+    base = time.monotonic_ns() - 200 * MS
+    log.add([SchedEvent(10, EV_PREEMPTED, base + 10 * MS, base + 30 * MS, 11, 100),   # loop preempted by batch
+             SchedEvent(10, EV_RUNQ, base + 20 * MS, base + 25 * MS, 0, 200),          # API woke to an idle CPU
+             SchedEvent(10, EV_RUNQ, base + 40 * MS, base + 50 * MS, 10, 101),         # behind its own threads
+             SchedEvent(10, EV_RUNQ, base + 0 * MS, base + 90 * MS, 11, 102),          # the helper: not counted
+             SchedEvent(10, EV_PREEMPTED, base + 95 * MS, base + 120 * MS, 11, 100)])  # straddles the end
+    service_of = {10: "vllm", 11: "batch"}.__getitem__
+    sched = EventSched(log, lambda s: {10}, service_of, Fallback(), thread_names=names.get)
+    sched.pin({"vllm"})
+    sched.watched_cgroups()
+    sched._watching["vllm"] = 0.0
+    offset = time.time_ns() - time.monotonic_ns()
+    start, end = (base + offset) / 1e9, (base + offset + 100 * MS) / 1e9
+    got = sched.between("vllm", start, end)
+    # Thread-seconds: 20 + 5 + 10 + 90 + 5 = 130 ms, more than the 100 ms request.
+    assert got.runq_wait_seconds == pytest.approx(0.130, abs=2e-6)
+    # Delay: [10, 30] + [40, 50] + [95, 100] = 35 ms (the API's 20-25 lies inside the loop's wait).
+    assert got.delay_seconds == pytest.approx(0.035, abs=2e-6)
+    # 10-20 batch; 20-25 batch and idle, 2.5 ms each; 25-30 batch; 40-50 self; 95-100 batch.
+    assert got.delay_by == (("batch", pytest.approx(0.0225, abs=2e-6)), ("vllm", pytest.approx(0.010, abs=2e-6)),
+                            ("idle", pytest.approx(0.0025, abs=2e-6)))
+    assert got.delay_threads == 3
+    doc = got.as_dict()
+    assert doc["runq_thread_seconds"] == doc["runq_wait_seconds"] == got.runq_wait_seconds
+    assert doc["delay_by"][0] == {"service": "batch", "seconds": pytest.approx(0.0225, abs=2e-6)}
+    # The by-thread view still shows every thread's waits, the helper's first.
+    assert got.by_thread[0][:3] == (100, "VLLM::EngineCor", "gloo_tcp_loop")
+
+
+def test_prorated_figures_cap_the_thread_seconds_at_the_duration():
+    # 0.5 s of waits (0.3 batch, 0.1 idle, 0.1 without culprit) in a 0.2 s request.
+    delay, by = capped_delay(0.5, {"batch": 0.3}, {"idle": 0.1}, 0.2)
+    assert delay == pytest.approx(0.2)
+    assert by == (("batch", pytest.approx(0.12)), ("idle", pytest.approx(0.04)), ("unknown", pytest.approx(0.04)))
+    assert capped_delay(0.05, {"batch": 0.05}, {}, 0.2) == (0.05, (("batch", pytest.approx(0.05)),))
