@@ -80,8 +80,15 @@ def attributes(kvs: Iterator[KeyValue] | Any) -> dict[str, Any]:
 
 
 def iter_spans(req: ExportTraceServiceRequest) -> Iterator[tuple[ResourceSpans, ScopeSpans, Span]]:
+    """Every span with its resource and scope. Their wrappers are kept alive
+    for the whole walk: callers key per-resource work by id(), and protobuf
+    (upb) hands a freed wrapper's id to the next resource — a collector's
+    export of many resources would then give one resource's origin to all."""
+    kept: list[ResourceSpans | ScopeSpans] = []
     for rs in req.resource_spans:
+        kept.append(rs)
         for ss in rs.scope_spans:
+            kept.append(ss)
             for span in ss.spans:
                 yield rs, ss, span
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import needs_kernel
-from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get, post_traces
+from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get, post_traces, wait_for_requests
 from tests.support.prometheus import dashboard_targets, running_prometheus, substitute
+from tests.support.vllm_tracing import server_env
 from tests.support.tracefs import SchedSwitch, SchedWakeup, TraceRecorder, switch_out_state
 from tests.support.workload import TestCgroup, hog_argv
 
@@ -88,25 +89,6 @@ def windowed_waits_ns(events, tids: set[int], start_mono_ns: int, end_mono_ns: i
 RUNS = (("grpc", "0.15", None, "http://127.0.0.1:{grpc}", False),
         ("http", "0.15", "http/protobuf", "http://127.0.0.1:{http}/v1/traces", False),
         ("grpc-0.16-pidns", "0.16", None, "http://127.0.0.1:{grpc}", True))
-
-
-def wait_for_requests(agent: Agent, wanted: set[str], timeout: float = 40.0) -> dict[str, dict]:
-    """/api/v1/requests by id once every wanted request is in (or the time is up)."""
-    deadline = time.monotonic() + timeout
-    got: dict[str, dict] = {}
-    while not wanted <= set(got) and time.monotonic() < deadline:
-        status, body = http_get(agent.url + "/api/v1/requests", timeout=30)
-        if status == 200:
-            got = {r["request_id"]: r for r in json.loads(body)["requests"]}
-        time.sleep(0.2)
-    return got
-
-
-def server_env(protocol: str | None, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    if protocol:
-        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol
-    return {**env, **extra}
 
 
 @pytest.fixture(scope="module")

@@ -138,3 +138,15 @@ def loaded_prog_ids() -> set[int]:
     """IDs of every BPF program loaded in the kernel (BPF_PROG_GET_NEXT_ID via bpftool)."""
     out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, check=True)
     return {p["id"] for p in json.loads(out.stdout)}
+
+
+def wait_for_requests(agent: Agent, wanted: set[str], timeout: float = 40.0) -> dict[str, dict]:
+    """/api/v1/requests by id once every wanted request is in (or the time is up)."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, dict] = {}
+    while not wanted <= set(got) and time.monotonic() < deadline:
+        status, body = http_get(agent.url + "/api/v1/requests", timeout=30)
+        if status == 200:
+            got = {r["request_id"]: r for r in json.loads(body)["requests"]}
+        time.sleep(0.2)
+    return got

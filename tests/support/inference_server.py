@@ -42,6 +42,7 @@ def main() -> int:
     p.add_argument("--otlp-traces-endpoint", required=True)
     p.add_argument("--release", choices=["0.15", "0.16"], default="0.15")
     p.add_argument("--load-s", type=float, default=0.0, help="sleep this long first, as loading a model does")
+    p.add_argument("--linger-s", type=float, default=0.0, help="stay up this long after the last spans are sent")
     p.add_argument("--requests", type=int, default=5)
     p.add_argument("--prefill", type=int, default=1_500_000, help="loop iterations of the prefill step")
     p.add_argument("--decode-steps", type=int, default=6)
@@ -89,6 +90,7 @@ def main() -> int:
         print(json.dumps(serve(f"{args.prefix}-{i}", args.prefill, args.decode_steps, args.decode)), flush=True)
     print(json.dumps({"tids": sorted(int(t) for t in os.listdir("/proc/self/task"))}), flush=True)
     ok = provider.force_flush(10_000)
+    time.sleep(args.linger_s)  # a server outlives its spans' arrival
     provider.shutdown()
     return 0 if ok else 1
 

@@ -77,3 +77,13 @@ def v1_attributes(request_id: str, *, arrival_s: float, scheduled_s: float, firs
         if value:
             attrs[key] = value
     return attrs
+
+
+def server_env(protocol: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment a test server starts with: none of the runner's OTEL_*
+    variables, the traces protocol vLLM reads (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL)
+    when given, and `extra` (the OTel SDK's own variables a test sets)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    if protocol:
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = protocol
+    return {**env, **extra}

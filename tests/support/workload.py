@@ -141,16 +141,19 @@ class TestCgroup:
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=10)
-            rmdir_when_free(self.dir)
+            remove_tree(self.dir)  # with any child cgroups a test made inside
 
-    def spawn(self, argv: Sequence[str], **popen_kwargs: object) -> subprocess.Popen:
-        """Start argv inside this cgroup; it never runs a single instruction outside.
+    def spawn(self, argv: Sequence[str], *, child: str = "", **popen_kwargs: object) -> subprocess.Popen:
+        """Start argv inside this cgroup (or its descendant `child`, a relative
+        path, made if missing); it never runs a single instruction outside.
 
         The shell moves itself in and then execs argv, so the pid is the
         program's pid and all its threads and children are born inside.
         """
+        target = self.dir / child if child else self.dir
+        target.mkdir(parents=True, exist_ok=True)
         script = 'echo $$ > "$1/cgroup.procs" || exit 126; shift; exec "$@"'
-        p = subprocess.Popen(["/bin/sh", "-c", script, "sh", str(self.dir), *argv],
+        p = subprocess.Popen(["/bin/sh", "-c", script, "sh", str(target), *argv],
                              **popen_kwargs)  # type: ignore[arg-type]
         self._popens.append(p)
         return p

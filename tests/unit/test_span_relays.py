@@ -28,6 +28,7 @@ from agent.traces.identity import (
 from agent.traces.metrics import TraceCounters
 from agent.traces.pipeline import RequestPipeline
 from agent.traces.request_store import RequestStore
+from agent.traces.spans import iter_spans
 from tests.support.fake_host import FakeCgroups, FakeProc, v4
 
 FIXTURES = Path(__file__).parent / "fixtures" / "k8s"
@@ -172,19 +173,21 @@ def test_unknown_origins_and_ignored_claims_are_counted_by_the_pipeline(node):
     counters = TraceCounters()
     pipeline = RequestPipeline(Sched(), node(RelayRule(service="otelcol")), (), RequestStore(900), counters)
 
-    def export(**resource) -> ExportTraceServiceRequest:
-        attrs = [KeyValue(key=k.replace("_", "."), value=AnyValue(string_value=str(v))) for k, v in resource.items()]
-        span = Span(name="llm_request", trace_id=b"\1" * 16, span_id=b"\2" * 8, start_time_unix_nano=10**18,
-                    end_time_unix_nano=10**18 + 10**9)
+    def export(*resources: dict) -> ExportTraceServiceRequest:
+        """One export of several resources, as a collector batches them, decoded from the wire."""
         req = ExportTraceServiceRequest()
-        req.resource_spans.append(ResourceSpans(scope_spans=[ScopeSpans(spans=[span, span])]))
-        req.resource_spans[0].resource.attributes.extend(attrs)
-        return req
+        for resource in resources:
+            span = Span(name="llm_request", trace_id=b"\1" * 16, span_id=b"\2" * 8, start_time_unix_nano=10**18,
+                        end_time_unix_nano=10**18 + 10**9)
+            rs = ResourceSpans(scope_spans=[ScopeSpans(spans=[span, span])])
+            rs.resource.attributes.extend(KeyValue(key=k, value=AnyValue(string_value=str(v)))
+                                          for k, v in resource.items())
+            req.resource_spans.append(rs)
+        return ExportTraceServiceRequest.FromString(req.SerializeToString())
 
-    pipeline.ingest(export(process_pid=4242, host_name="node-b"), "grpc", OTELCOL)
-    pipeline.ingest(export(service_name="x"), "grpc", OTELCOL)
-    pipeline.ingest(export(process_pid=4242, host_name="node-a"), "grpc", OTELCOL)
-    pipeline.ingest(export(k8s_pod_uid=VLLM_POD), "grpc", BATCH)
+    pipeline.ingest(export({"process.pid": 4242, "host.name": "node-b"}, {"service.name": "x"},
+                           {"process.pid": 4242, "host.name": "node-a"}), "grpc", OTELCOL)
+    pipeline.ingest(export({"k8s.pod.uid": VLLM_POD}), "grpc", BATCH)
     pipeline.process()
     assert counters.unresolved == {RELAY_OTHER_HOST: 2, RELAY_NO_ORIGIN: 2}
     assert counters.claims_ignored == {"k8s.pod.uid": 1}
@@ -247,3 +250,18 @@ def test_relay_config_and_flags():
         with pytest.raises(ConfigError) as e:
             relays_from_flags([flag])
         assert str(e.value) == message
+
+
+def test_each_resource_of_a_batched_export_is_its_own_while_spans_are_walked():
+    """A collector sends many resources in one export; the pipeline finds each
+    resource's origin once, keyed by the resource: two resources must never
+    look the same during the walk (protobuf reuses a freed wrapper's id)."""
+    req = ExportTraceServiceRequest()
+    for i in range(10):
+        rs = req.resource_spans.add()
+        rs.resource.attributes.add(key="process.pid", value=AnyValue(int_value=1000 + i))
+        rs.scope_spans.add().spans.add(name="llm_request")
+    walked = [(id(rs), id(ss), rs.resource.attributes[0].value.int_value)
+              for rs, ss, _ in iter_spans(ExportTraceServiceRequest.FromString(req.SerializeToString()))]
+    assert len({rs for rs, _, _ in walked}) == len({ss for _, ss, _ in walked}) == 10
+    assert [pid for *_, pid in walked] == list(range(1000, 1010))
