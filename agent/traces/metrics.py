@@ -182,12 +182,14 @@ class TraceCollector(Collector):
         yield refused
         lost = CounterMetricFamily("slatrace_otlp_spans_unresolved", "Request spans whose sender could not be "
                                    "found, by reason (remote_peer, socket_not_found, no_process, no_cgroup, "
-                                   "no_peer).", labels=["reason"])
+                                   "no_peer; from a trusted relay: relay_no_origin, relay_origin_not_found, "
+                                   "relay_other_host, relay_pid_without_host).", labels=["reason"])
         for reason, n in sorted(unresolved.items()):
             lost.add_metric([reason], n)
         yield lost
         claims = CounterMetricFamily("slatrace_otlp_claims_ignored", "Span resources whose attribute "
-                                     "contradicted the connection they came on, by attribute.",
+                                     "contradicted the connection they came on (or, from a trusted relay, the "
+                                     "pod it names), by attribute.",
                                      labels=["attribute"])
         for attribute, n in sorted(ignored.items()):
             claims.add_metric([attribute], n)
