@@ -265,3 +265,17 @@ def test_each_resource_of_a_batched_export_is_its_own_while_spans_are_walked():
               for rs, ss, _ in iter_spans(ExportTraceServiceRequest.FromString(req.SerializeToString()))]
     assert len({rs for rs, _, _ in walked}) == len({ss for _, ss, _ in walked}) == 10
     assert [pid for *_, pid in walked] == list(range(1000, 1010))
+
+
+def test_the_deploy_examples_are_valid_relays():
+    """The commented relay in deploy/configmap.yaml and deploy/daemonset.yaml, uncommented, is a working rule."""
+    import yaml
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    config = yaml.safe_load((deploy / "configmap.yaml").read_text())["data"]["config.yaml"]
+    lines = config.splitlines()
+    start = lines.index("# otlp_relays:")
+    example = "\n".join(line.removeprefix("# ") for line in lines[start:] if line.startswith("# "))
+    rule = RelayRule(k8s_namespace="observability", k8s_service_account="otel-collector")
+    assert parse_config(yaml.safe_load(example), "configmap").otlp_relays == (rule,)
+    flag = next(line for line in (deploy / "daemonset.yaml").read_text().splitlines() if '"--otlp-relay"' in line)
+    assert relays_from_flags([flag.split('"--otlp-relay", "')[1].split('"')[0]]) == (rule,)
