@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: setup setup-test run test test-unit test-reliability bench bench-footprint clean
+.PHONY: setup setup-test run test test-unit test-kernels test-reliability bench bench-footprint clean
 
 setup:
 	scripts/setup.sh
@@ -22,6 +22,11 @@ test: setup-test
 # this adds the long ones against the real daemon (a few minutes, root).
 test-reliability: setup-test
 	SLATRACE_LONG=1 SLATRACE_REQUIRE_KERNEL=1 $(VENV)/bin/python -m pytest -ra $(PYTEST_ARGS) tests/reliability
+
+# The kernel matrix alone: this host, then Debian's 5.10, 6.1 and 6.12 in qemu
+# (also part of `make test`).
+test-kernels: setup-test
+	SLATRACE_REQUIRE_KERNEL=1 $(VENV)/bin/python -m pytest -ra -s $(PYTEST_ARGS) tests/qemu
 
 test-unit: setup
 	$(VENV)/bin/python -m pytest -q tests/unit

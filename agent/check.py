@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +38,20 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
     return checks
 
 
-def attachment() -> Check:
-    """Which tracepoints the programs will attach to. Classic ones work
-    anywhere, so this never fails; it says what the raw ones would need."""
+def attachment(release: str | None = None) -> Check:
+    """Which tracepoints the programs will attach to on this kernel, and why.
+    Classic ones work anywhere, so this never fails; it says what choosing
+    them costs where raw ones cannot be had."""
+    release = release or os.uname().release
     try:
         layout = task_layout()
     except BtfError as e:
-        return Check("attachment", True, f"classic tracepoints (raw ones are not usable: {e}); each context "
-                     "switch then costs more")
-    return Check("attachment", True, f"raw tracepoints: task_struct.pid at byte {layout.pid_offset} and .flags "
-                 f"at {layout.flags_offset}, from the kernel's BTF")
+        return Check("attachment", True, f"kernel {release}: classic tracepoints, because raw ones are not usable "
+                     f"({e}); each context switch then costs more, the kernel filling the tracepoint's record "
+                     "before the program runs")
+    where = (f"sched_switch passes no prev_state (kernels before 5.18), so it is read from "
+             f"task_struct.{layout.state_field} at byte {layout.state_offset}"
+             if layout.state_offset is not None else "sched_switch passes prev_state")
+    return Check("attachment", True, f"kernel {release}: raw tracepoints (the cheaper mode; --attach-mode classic "
+                 f"also works here): {where}; task_struct.pid at byte {layout.pid_offset} and .flags at "
+                 f"{layout.flags_offset}, from the kernel's BTF")

@@ -36,10 +36,12 @@ from agent.identity.threads import ThreadNames
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
+from agent.probe.snapshot import ProbeSnapshot
 from agent.reload import ConfigReloader
 from agent.store.events import EventLog
 from agent.store.histogram import classic_bounds
 from agent.store.store import Store
+from agent.store.tally import WaitTally
 from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 
 if TYPE_CHECKING:
@@ -99,6 +101,7 @@ class Daemon:
         self.poll_seconds = 0.0
         self.polls = 0
         self.poll_errors = 0
+        self.tally = WaitTally()
         self._resolver: ServiceResolver | None = None
         # CPU-quota throttling and interval SLO breaches, kept per interval beside the store.
         self.throttle = ThrottleLedger(config.retention)
@@ -154,7 +157,8 @@ class Daemon:
         return describe_services(self._resolver) if self._resolver else []
 
     def _agent_stats(self) -> AgentStats:
-        return AgentStats(poll_duration_seconds=self.poll_seconds, poll_errors=self.poll_errors)
+        return AgentStats(poll_duration_seconds=self.poll_seconds, poll_errors=self.poll_errors,
+                          waits_seen=dict(self.tally.seen_total), waits_missing=dict(self.tally.missing_total))
 
     def start(self) -> None:
         try:
@@ -283,6 +287,7 @@ class Daemon:
     def poll_once(self) -> None:
         t0 = time.monotonic()
         snap = self._probe.snapshot()
+        self._check_tally(snap)
         record = self.store.ingest(snap, self._resolver.service_of)
         if record is not None:
             self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service()))
@@ -290,6 +295,20 @@ class Daemon:
         self.poll_seconds = time.monotonic() - t0
         self.polls += 1
         self.state.ready = True
+
+    def _check_tally(self, snap: ProbeSnapshot) -> None:
+        """The self-check (agent/store/tally.py): /readyz, a log line on each
+        change and the slatrace_waits_missing counter say when waits are lost."""
+        self.tally.observe(snap)
+        verdict = self.tally.verdict()
+        if verdict is None:
+            return
+        degraded = None if verdict.ok else verdict.detail
+        if degraded and not self.state.degraded:
+            log.error("self-check: %s", degraded)
+        elif self.state.degraded and not degraded:
+            log.warning("self-check: waits reach the agent again (%s)", verdict.detail)
+        self.state.degraded = degraded
 
     def drain_events_once(self) -> None:
         cgids = self.request_sched.watched_cgroups()

@@ -37,6 +37,7 @@ BPF_TABLE("hash", struct blame_key, struct blame_val, blame, MAX_BLAME);
 BPF_TABLE("percpu_array", u32, struct blame_slot, blame_cache, 2 * BLAME_CACHE);
 BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
+BPF_TABLE("percpu_array", u32, u64, tally, 2 * NR_TALLY);
 BPF_TABLE("array", u32, struct ctl, ctl, 1);
 
 /* Exact per-wait events, only for cgroups user space watches. ctl.watch_on is
@@ -120,6 +121,12 @@ static __always_inline void hist_flush(struct hist_key *key, u64 count, u64 sum)
  * adds; a key that finds its entry taken flushes the other key first. */
 static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
 {
+    /* The self-check's count (sched.h, tally); kind is HIST_RUNQ or HIST_IOWAIT,
+     * which are TALLY_RUNQ and TALLY_IOWAIT. */
+    u32 t = (gen & 1) * NR_TALLY + (kind & 1);
+    u64 *seen = tally.lookup(&t);
+    if (seen)
+        (*seen)++;
     u32 slot = hist_slot(v);
     u32 base = (u32)(((cgid ^ kind) * 0x9E3779B97F4A7C15ULL) >> 32);
     u32 idx = (gen & 1) * HIST_CACHE + ((base + slot) & (HIST_CACHE - 1));

@@ -52,6 +52,15 @@
 #define ERR_EVENT_RATE 5  /* event dropped by the per-CPU rate limit */
 #define NR_ERRORS 6
 
+/* Waits as the programs saw them, per generation and CPU (array "tally",
+ * entry `gen * NR_TALLY + kind`), counted where each wait enters the
+ * histogram path. The agent compares them with what reached it through the
+ * caches and maps (hists, plus the losses counted per cgroup): any gap is a
+ * loss between the programs and the agent, which no figure would show. */
+#define TALLY_RUNQ 0
+#define TALLY_IOWAIT 1
+#define NR_TALLY 2
+
 /* sched_event.kind */
 #define EV_RUNQ 0         /* run-queue wait after a wakeup; other_cgid = last holder of the CPU */
 #define EV_PREEMPTED 1    /* run-queue wait after a preemption; other_cgid = preemptor */

@@ -71,7 +71,8 @@ def synthetic_store() -> tuple[Store, Sources]:
         throttled_seconds=lambda: {"batch": 0.2},
         slo_breaches=lambda: {("api", "runq_p99"): 1},
         request_sched_delay=lambda: {"api": Histogram.from_ns([30_000, 2_500_000])},
-        agent_stats=lambda: AgentStats(poll_duration_seconds=0.003, poll_errors=0),
+        agent_stats=lambda: AgentStats(poll_duration_seconds=0.003, poll_errors=0,
+                                       waits_seen={"runq": 1000, "iowait": 10}, waits_missing={"runq": 0, "iowait": 0}),
     )
     return store, sources
 

@@ -116,6 +116,10 @@ setup_host() {
         # profile. No service may start from a package's postinst: the tests run
         # a private dockerd of their own.
         without_service_start apt_install docker.io debootstrap golang-github-containers-common
+        # The kernel tier (tests/qemu): Debian's kernels boot under qemu's
+        # emulator with a busybox initramfs; the kernels themselves are fetched
+        # from Debian's registry by the tier and cached.
+        apt_install qemu-system-x86 busybox-static
         # tests/schema: Grafana's dashboard model from npm, with the machine's
         # node (Debian's nodejs when there is none).
         command -v node >/dev/null && command -v npm >/dev/null || apt_install nodejs npm

@@ -86,6 +86,9 @@ class AgentState:
     describe_services: Callable[[], list[dict]]
     ready: bool = False
     failure: str | None = None
+    # Set while the self-check finds waits lost between the kernel and the
+    # agent (agent/store/tally.py): the figures are incomplete, so not ready.
+    degraded: str | None = None
     extra_routes: dict[str, Callable[[dict[str, list[str]]], Response]] = field(default_factory=dict)
     # (start, end] -> per-service throttled seconds / per-(service, slo) breached intervals
     throttled_between: Callable[[float, float], dict[str, float]] | None = None
@@ -127,6 +130,8 @@ class Api:
         return Response(200, b"ok\n", "text/plain")
 
     def _readyz(self, query) -> Response:
+        if self.state.degraded:
+            return Response(503, f"not ready: {self.state.degraded}\n".encode(), "text/plain")
         if self.state.ready and not self.state.failure:
             return Response(200, b"ready\n", "text/plain")
         return Response(503, b"not ready: BPF programs attaching or first interval not collected yet\n",

@@ -119,6 +119,10 @@ class AgentStats:
 
     poll_duration_seconds: float   # the last collection: map reads and the store's interval
     poll_errors: int               # collections that failed since start (retried next interval)
+    # The self-check (agent/store/tally.py): kind -> waits the BPF programs
+    # saw, and of them the ones that never reached the agent.
+    waits_seen: Mapping[str, int] = field(default_factory=dict)
+    waits_missing: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,14 @@ POLL_DURATION = _spec("slatrace_poll_duration_seconds", "gauge",
                       source="hook: Sources.agent_stats")
 POLL_ERRORS = _spec("slatrace_poll_errors", "counter", "Collections that failed (retried next interval).",
                     (), "1", source="hook: Sources.agent_stats")
+WAITS_SEEN = _spec("slatrace_waits_seen", "counter",
+                   "Waits the BPF programs saw, by kind (runq, iowait), counted before the caches and maps "
+                   "they pass through: the self-check's reference.", ("kind",), "1",
+                   source="hook: Sources.agent_stats")
+WAITS_MISSING = _spec("slatrace_waits_missing", "counter",
+                      "Waits the BPF programs saw that never reached the agent's figures (the self-check); "
+                      "anything but 0 means the figures on this kernel are incomplete.", ("kind",), "1",
+                      source="hook: Sources.agent_stats")
 SERVICES_TRACKED = _spec("slatrace_services_tracked", "gauge",
                          "Distinct service label values exported (bounded by max_services, overflow is "
                          "\"other\").", (), "1")
@@ -229,7 +241,7 @@ BUILD_INFO = _spec("slatrace_build_info", "gauge", "slatrace version; always 1."
 CATALOG: tuple[MetricSpec, ...] = (
     RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
     SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
-    MAP_ERRORS, POLL_DURATION, POLL_ERRORS, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
+    MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
 )
 
 
@@ -424,6 +436,10 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         stats = sources.agent_stats()
         points[POLL_DURATION.name].append(Point((), stats.poll_duration_seconds))
         points[POLL_ERRORS.name].append(Point((), float(stats.poll_errors)))
+        for kind, n in sorted(stats.waits_seen.items()):
+            points[WAITS_SEEN.name].append(Point((kind,), float(n)))
+        for kind, n in sorted(stats.waits_missing.items()):
+            points[WAITS_MISSING.name].append(Point((kind,), float(n)))
     points[SERVICES_TRACKED.name].append(Point((), float(len(services))))
     points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
     points[BUILD_INFO.name].append(Point((__version__,), 1.0))

@@ -41,6 +41,10 @@ EV_MIGRATE = 3
 # blame_key.kind
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1
+# tally array index within a generation (the self-check's counts)
+TALLY_RUNQ = 0
+TALLY_IOWAIT = 1
+NR_TALLY = 2
 BLAME_CACHE = 64  # per-CPU blame_cache entries per generation
 HIST_CACHE = 512  # per-CPU hist_cache entries per generation
 # cgroup_val, in field order (CG_* are the indices)

@@ -20,8 +20,8 @@ import agent
 from agent.probe.features import ATTACH_MODES, Features
 import numpy as np
 
-from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, TF_KTHREAD, TS_RUNNING, BlameSlot,
-                                Ctl, HistSlot, TaskInfo)
+from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
+                                TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
@@ -132,6 +132,9 @@ class Probe:
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "raw" or "classic" tracepoints
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
+        # Whether the kernel has batch operations on per-CPU arrays (5.13 on);
+        # None until the first drain asks.
+        self._array_batch: bool | None = None
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto") -> "Probe":
@@ -243,7 +246,18 @@ class Probe:
         return ProbeSnapshot(mono_ns=mono, wall=wall, hist_rows=_hist_rows(hist_keys, hist_vals),
                              blame_rows=_blame_rows(blame_keys, blame_vals),
                              cgroup_rows=_cgroup_rows(cg_keys, cg_vals), errors=self._error_counts(),
-                             programs=self.program_stats())
+                             programs=self.program_stats(), tally=self._drain_tally(old))
+
+    def _drain_tally(self, gen: int) -> tuple[int, int]:
+        """The waits the programs saw in generation `gen` (bpf/sched.h tally),
+        summed over CPUs, then zeroed for that generation's next turn."""
+        table = self._bpf[b"tally"]
+        out = []
+        for kind in (TALLY_RUNQ, TALLY_IOWAIT):
+            key = table.Key(gen * NR_TALLY + kind)
+            out.append(int(sum(table.getvalue(key))))
+            table[key] = table.Leaf()
+        return out[0], out[1]
 
     def _error_counts(self) -> dict[str, int]:
         err_table = self._bpf[b"errors"]
@@ -295,14 +309,8 @@ class Probe:
         first = gen * entries
         index = np.arange(first, first + entries, dtype=np.uint32)
         slots = np.zeros((entries, self._ncpu), np.dtype(slot_t))
-        # The batch token is the key before the first one wanted (none: from 0).
-        before, out, count = ct.c_uint32(first - 1), ct.c_uint32(0), ct.c_uint32(entries)
-        if self._lib.bpf_lookup_batch(fd, ct.byref(before) if first else None, ct.byref(out), index.ctypes.data,
-                                      slots.ctypes.data, ct.byref(count)) != 0 and count.value < entries:
-            err = ct.get_errno()
-            if err not in (errno.EINVAL, ENOTSUPP):
-                raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
-            # Kernels before 5.6 have no batch lookup: one entry at a time.
+        if not self._read_array(name, fd, first, index, slots):
+            # Per-CPU arrays have batch operations from 5.13 only: one entry at a time.
             for i in range(entries):
                 idx = ct.c_uint32(first + i)
                 if self._lib.bpf_lookup_elem(fd, ct.byref(idx), slots[i].ctypes.data) != 0:
@@ -314,6 +322,28 @@ class Probe:
         rows = rows[rows["val"]["count"] != 0]
         return rows["key"], rows["val"]
 
+    def _read_array(self, name: str, fd: int, first: int, index: np.ndarray, slots: np.ndarray) -> bool:
+        """Read entries first.. of an array map into `slots` in one batch;
+        False where the kernel has no batch lookup for this map type.
+
+        Success is the call's return value, never the count: a kernel without
+        the operation leaves the count as it was passed, which reads as
+        "all read" over buffers still full of zeros."""
+        if self._array_batch is False:
+            return False
+        # The batch token is the key before the first one wanted (none: from 0).
+        before, out, count = ct.c_uint32(first - 1), ct.c_uint32(0), ct.c_uint32(len(index))
+        res = self._lib.bpf_lookup_batch(fd, ct.byref(before) if first else None, ct.byref(out),
+                                         index.ctypes.data, slots.ctypes.data, ct.byref(count))
+        err = ct.get_errno() if res != 0 else 0
+        if res == 0 or (err == errno.ENOENT and count.value == len(index)):
+            self._array_batch = True
+            return True
+        if err in (errno.EINVAL, ENOTSUPP) and not self._array_batch:
+            self._array_batch = False
+            return False
+        raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+
     def _zero_entries(self, name: str, fd: int, index: np.ndarray, slot_t: type) -> None:
         """Zero these entries of a per-CPU array on every CPU, in one batch."""
         if not len(index):
@@ -321,12 +351,13 @@ class Probe:
         index = np.ascontiguousarray(index, np.uint32)
         zeros = np.zeros((len(index), self._ncpu), np.dtype(slot_t))
         count = ct.c_uint32(len(index))
-        if self._lib.bpf_update_batch(fd, index.ctypes.data, zeros.ctypes.data, ct.byref(count)) == 0:
+        if self._array_batch and self._lib.bpf_update_batch(fd, index.ctypes.data, zeros.ctypes.data,
+                                                            ct.byref(count)) == 0:
             return
-        err = ct.get_errno()
-        if err not in (errno.EINVAL, ENOTSUPP):
+        if self._array_batch:
+            err = ct.get_errno()
             raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
-        # Kernels before 5.6 have no batch update: one entry at a time.
+        # Per-CPU arrays have batch operations from 5.13 only: one entry at a time.
         for i, row in zip(index, zeros):
             idx = ct.c_uint32(int(i))
             if self._lib.bpf_update_elem(fd, ct.byref(idx), row.ctypes.data, 0) != 0:
@@ -340,8 +371,9 @@ class Probe:
         while done < len(keys):
             count = ct.c_uint32(len(keys) - done)
             res = self._lib.bpf_delete_batch(fd, keys[done:].ctypes.data, ct.byref(count))
-            err = ct.get_errno()
-            done += count.value
+            err = ct.get_errno() if res != 0 else 0
+            if res == 0 or err == errno.ENOENT:
+                done += count.value  # else the count is not the kernel's (see _batches)
             if res != 0:
                 if err == errno.ENOENT:
                     done += 1  # gone already: skip it and go on
@@ -372,8 +404,10 @@ class Probe:
             count = ct.c_uint32(BATCH)
             res = self._lib.bpf_lookup_batch(fd, None if first else ct.byref(in_batch), ct.byref(out_batch),
                                              ct.byref(keys), ct.byref(vals), ct.byref(count))
-            err = ct.get_errno()
-            n = count.value
+            err = ct.get_errno() if res != 0 else 0
+            # The count is the kernel's only on success or at the end (ENOENT);
+            # a kernel without the operation leaves it as it was passed.
+            n = count.value if res == 0 or err == errno.ENOENT else 0
             if n:
                 # Copies: the buffers are reused by the next chunk.
                 yield (np.frombuffer(keys, key_dt, n).copy(), np.frombuffer(vals, val_dt, n).copy())

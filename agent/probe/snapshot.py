@@ -107,6 +107,9 @@ class ProbeSnapshot:
     # Cumulative since load:
     errors: dict[str, int] = field(default_factory=dict)          # map name -> failed updates
     programs: dict[str, ProgramStats] = field(default_factory=dict)  # program -> cost
+    # Waits the programs saw in the interval (run-queue, D-state), counted
+    # before the caches and maps they then pass through; None where not read.
+    tally: tuple[int, int] | None = None
 
     @classmethod
     def from_dicts(cls, mono_ns: int, wall: float,
@@ -159,4 +162,6 @@ def carry_over(earlier: ProbeSnapshot, later: ProbeSnapshot) -> ProbeSnapshot:
                          np.concatenate([earlier.hist_rows, later.hist_rows]),
                          np.concatenate([earlier.blame_rows, later.blame_rows]),
                          np.concatenate([earlier.cgroup_rows, later.cgroup_rows]),
-                         later.errors, later.programs)
+                         later.errors, later.programs,
+                         None if earlier.tally is None or later.tally is None else
+                         (earlier.tally[0] + later.tally[0], earlier.tally[1] + later.tally[1]))

@@ -262,7 +262,8 @@ def test_self_metrics_and_hooks() -> None:
         throttled_seconds=lambda: {"api": 1.5},
         slo_breaches=lambda: {("api", "runq_p99"): 3},
         request_sched_delay=lambda: {"api": Histogram.from_ns([30_000, 2_000_000])},
-        agent_stats=lambda: AgentStats(poll_duration_seconds=0.25, poll_errors=2),
+        agent_stats=lambda: AgentStats(poll_duration_seconds=0.25, poll_errors=2,
+                                       waits_seen={"runq": 40, "iowait": 3}, waits_missing={"runq": 1, "iowait": 0}),
     )
     fams = _scrape(SlatraceCollector(store, sources=sources))
     assert _samples(fams, "slatrace_cpu_throttled_seconds", "_total") == {(("service", "api"),): 1.5}
@@ -279,6 +280,8 @@ def test_self_metrics_and_hooks() -> None:
         (("by_service", "idle"), ("service", "api")): 5e-9}
     assert _samples(fams, "slatrace_poll_duration_seconds") == {(): 0.25}
     assert _samples(fams, "slatrace_poll_errors", "_total") == {(): 2}
+    assert _samples(fams, "slatrace_waits_seen", "_total") == {(("kind", "runq"),): 40, (("kind", "iowait"),): 3}
+    assert _samples(fams, "slatrace_waits_missing", "_total") == {(("kind", "runq"),): 1, (("kind", "iowait"),): 0}
     assert "slatrace_unknown_thing" not in fams
     assert _samples(fams, "slatrace_services_tracked") == {(): 1}
     # With every hook given, every family of the catalog is exported, except
