@@ -211,12 +211,19 @@ def test_every_alert_has_a_summary_and_a_runbook_section() -> None:
     assert {a["alert"] for a in alerts} >= {"SlatraceSLOBreached", "SlatraceSLOBurnRateFast",
                                             "SlatraceNeighbourContention", "SlatraceAgentDown",
                                             "SlatraceBPFMapErrors"}
+    runbook = (REPO / "docs" / "runbook.md").read_text()
+    sections = dict(re.findall(r"^## (\S+)\n(.*?)(?=^## |\Z)", runbook, re.M | re.S))
     for a in alerts:
         ann = a["annotations"]
         assert ann["summary"], a["alert"]
         page, _, anchor = ann["runbook_url"].partition("#")
         assert page == "docs/runbook.md" and anchor == a["alert"].lower() and anchor in anchors, a["alert"]
         assert a["labels"]["severity"] in ("warning", "critical")
+        # The section says what to do: more than a heading.
+        assert len(sections.get(a["alert"], "").split()) >= 30, f"docs/runbook.md has no real section for {a['alert']}"
+    # And no section for an alert that no longer exists.
+    orphans = {h for h in sections if h.startswith("Slatrace")} - {a["alert"] for a in alerts}
+    assert not orphans, f"docs/runbook.md has sections for alerts the rules do not define: {orphans}"
     for r in (r for g in groups for r in g["rules"]):
         names = metric_names(r["expr"])
         assert names <= exposed | records | {"up"}, (names - exposed - records, r["expr"])
