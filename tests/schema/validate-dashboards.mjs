@@ -103,8 +103,7 @@ for (const file of dashboards) {
   const validate = ajv.compile(schema);
   validate(doc);
   const errors = (validate.errors ?? []).filter((e) => e.keyword !== "if").map((e) => {
-    const extra = e.keyword === "additionalProperties" ? ` '${e.params.additionalProperty}'`
-      : "";
+    const extra = e.keyword === "additionalProperties" ? ` '${e.params.additionalProperty}'` : "";
     return `${e.instancePath || "/"}: ${e.message}${extra}`;
   });
   out[file] = { release, definitions: Object.keys(schema.definitions).length, relaxed, errors: [...new Set(errors)] };
