@@ -74,6 +74,9 @@ class RequestSpanRule:
     queue: str | None = None
     ttft: str | None = None
     server: str = "custom"
+    # Attributes the span must carry with these values (presets: a server that
+    # gives its request span's name to inner spans too).
+    where: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

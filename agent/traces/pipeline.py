@@ -139,7 +139,7 @@ class RequestPipeline:
         copies: dict[int, tuple[ResourceSpans, ScopeSpans]] = {}
         for rs, ss, span in iter_spans(req):
             n += 1
-            rule = self._rules.match(span.name)
+            rule = self._rules.match(span.name, span)
             if rule is None:
                 if self._sink is not None:
                     self._sink.forward(*detached(rs, ss, span, copies))

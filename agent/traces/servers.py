@@ -2,16 +2,31 @@
 
 vLLM's `llm_request` span is parsed in full (agent.traces.spans). Other servers
 describe their requests differently; a rule says which span is one request
-(a glob on the span name), which attribute holds its id, and which hold its
-end-to-end, queue and first-token times. Presets cover the servers known to
-send spans (KERNEL-NOTES):
+(a glob on the span name, and attributes it must carry), which attribute holds
+its id, and which hold its end-to-end, queue and first-token times. Presets
+cover the servers known to send spans, checked against span shapes derived
+from each server's own tracing code (tests/unit/fixtures/otlp/*, which name
+the release or commit read):
 
-- sglang: `--enable-trace`; the root span of a request is "[role] Req <rid[:8]>",
-  its id in `rid`;
-- triton: `--trace-config mode=opentelemetry` (OTLP/HTTP only); one
-  `InferRequest` span per request (1 in 1000 sampled by default: set rate=1);
-- tgi: the router's `generate` / `generate_stream` spans, durations as text
-  ("12.5ms") in `total_time`, `queue_time`, no request id (the span id names it).
+- sglang (`--enable-trace`, OTLP/gRPC or http/protobuf, service.name
+  `sglang`): the root span of a request is "<role> Req <rid[:8]>" (role empty
+  unless prefill/decode are disaggregated, so often " Req ..."), with `rid`
+  and, once finished, `gen_ai.request.id`, `gen_ai.latency.e2e` and
+  `gen_ai.latency.time_to_first_token` in seconds (no queue time); its thread
+  and stage spans are not requests;
+- triton (`--trace-config mode=opentelemetry`, OTLP/HTTP only, 1 in 1000
+  sampled by default: set rate=1): one `InferRequest` root span per request,
+  from receiving it to sending the response; it carries no attributes — the
+  client's request id (`triton.request_id`) is on its child span named after
+  the model — so the span id names the request, and the trace id joins the two;
+- tgi (the router's `--otlp-endpoint`, OTLP/gRPC, service.name
+  `text-generation-inference.router`): the handlers `generate`,
+  `generate_stream`, `completions` and `chat_completions` record
+  `total_time` and `queue_time` as text ("812.4ms", Rust's Duration); the
+  router's inner `Infer::generate` / `Infer::generate_stream` spans carry the
+  same names, so only spans of the handlers' module
+  (`code.namespace=text_generation_router::server`) are requests; no request
+  id (the span id names it).
 
 The same presets name the servers' command lines, so their processes can be
 streamed from the agent's start: a request's figures are only exact from the
@@ -67,12 +82,16 @@ _CMDLINES: dict[str, tuple[re.Pattern[str], ...]] = {
     "tgi": (re.compile(r"(^|/)text-generation-(launcher|router|server)(\x00|$)"),),
 }
 
+# The module of TGI's HTTP handlers, as tracing-opentelemetry names it on their spans.
+_TGI_HANDLERS = (("code.namespace", "text_generation_router::server"),)
+
 PRESETS: dict[str, tuple[RequestSpanRule, ...]] = {
     "vllm": (RequestSpanRule(REQUEST_SPAN_NAME, ("gen_ai.request.id",), server="vllm"),),
-    "sglang": (RequestSpanRule("*Req *", ("rid",), server="sglang"),),
-    "triton": (RequestSpanRule("InferRequest", ("triton.request_id", "request_id"), server="triton"),),
-    "tgi": (RequestSpanRule("generate", e2e="total_time", queue="queue_time", server="tgi"),
-            RequestSpanRule("generate_stream", e2e="total_time", queue="queue_time", server="tgi")),
+    "sglang": (RequestSpanRule("*Req *", ("rid", "gen_ai.request.id"), e2e="gen_ai.latency.e2e",
+                               ttft="gen_ai.latency.time_to_first_token", server="sglang"),),
+    "triton": (RequestSpanRule("InferRequest", server="triton"),),
+    "tgi": tuple(RequestSpanRule(name, e2e="total_time", queue="queue_time", server="tgi", where=_TGI_HANDLERS)
+                 for name in ("generate", "generate_stream", "completions", "chat_completions")),
 }
 assert set(PRESETS) == set(REQUEST_SERVERS) == set(_CMDLINES)
 
@@ -100,13 +119,28 @@ class RequestRules:
 
     def __init__(self, servers: Iterable[str] = ("vllm",), rules: Iterable[RequestSpanRule] = ()) -> None:
         self.rules = tuple(r for s in servers for r in PRESETS[s]) + tuple(rules)
-        self._exact = {r.span_name: r for r in reversed(self.rules) if not any(c in r.span_name for c in "*?[")}
+        self._exact: dict[str, list[RequestSpanRule]] = {}
+        for r in self.rules:
+            if not any(c in r.span_name for c in "*?["):
+                self._exact.setdefault(r.span_name, []).append(r)
+        self._globs = tuple(r for r in self.rules if any(c in r.span_name for c in "*?["))
 
-    def match(self, name: str) -> RequestSpanRule | None:
-        rule = self._exact.get(name)
-        if rule is not None:
-            return rule
-        return next((r for r in self.rules if fnmatch.fnmatchcase(name, r.span_name)), None)
+    def match(self, name: str, span: Span | None = None) -> RequestSpanRule | None:
+        """The first rule for a span of this name (whose required attributes
+        `span` carries); exact names before globs."""
+        for rule in self._exact.get(name, ()):
+            if _holds(rule, span):
+                return rule
+        return next((r for r in self._globs if fnmatch.fnmatchcase(name, r.span_name) and _holds(r, span)), None)
+
+
+def _holds(rule: RequestSpanRule, span: Span | None) -> bool:
+    if not rule.where:
+        return True
+    if span is None:
+        return False
+    attrs = attributes(span.attributes)
+    return all(str(attrs.get(key)) == value for key, value in rule.where)
 
 
 def is_server_cmdline(cmdline: bytes, servers: Iterable[str]) -> str | None:

@@ -1,14 +1,20 @@
 """Request spans of other servers (presets and configured rules), and the
 servers streamed from the agent's start because of their command line.
 
-The spans are built with the OpenTelemetry SDK in the shapes those servers
-give them (read from their tracing code): SGLang's "[role] Req <rid[:8]>" root
-span with `rid`, Triton's `InferRequest` (sent over OTLP/HTTP, its only
-transport), TGI's router `generate` span with durations as text.
+None of SGLang, Triton or TGI runs here, so their spans are fixtures derived
+from each server's own tracing code, read at a named commit (each fixture's
+`_derivedFrom` says which files, at which commit or release, and what shape
+they give): SGLang's "<role> Req <rid[:8]>" root span with `rid` and its
+gen_ai.* latencies, beside thread spans; Triton's attribute-less
+`InferRequest` root with the model's child span and `compute` (OTLP/HTTP, its
+only transport); TGI's handler spans with durations as Rust Duration text,
+beside the router's inner spans of the same names. They are posted to the real
+OTLP/HTTP receiver as OTLP/JSON, moved to the present.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -27,6 +33,7 @@ from agent.traces.pipeline import RequestPipeline
 from agent.traces.receiver_http import HttpReceiver
 from agent.traces.request_store import RequestStore
 from agent.traces.servers import RequestRules, ServerProcesses, is_server_cmdline, parse_duration
+from tests.support.agent import post_traces
 
 
 class Sched:
@@ -91,30 +98,63 @@ def wait_for(store: RequestStore, n: int) -> list[dict]:
     return store.query()
 
 
-def test_sglang_triton_and_tgi_spans_are_requests_under_their_presets(receiver):
-    port, store = receiver(("vllm", "sglang", "triton", "tgi"))
-    send(port, "sglang", [(" Req 7f3a9c21", {"rid": "7f3a9c21e4b54d0f9a8b6c5d4e3f2a10", "module": "sglang::tokenizer"}, 400),
-                          ("prefill Req 5e6f7a8b", {"rid": "5e6f7a8b9c0d4e1f", "module": "sglang::scheduler"}, 300),
-                          ("Scheduler", {"module": "sglang::scheduler"}, 100)])      # a thread span: not a request
-    send(port, "triton", [("InferRequest", {"triton.model_name": "resnet50", "triton.model_version": 1,
-                                            "triton.request_id": "req-42"}, 250),
-                          ("compute", {}, 200)])
-    send(port, "text-generation-inference.router",
-         [("generate", {"total_time": "812.4ms", "queue_time": "12.5ms", "validation_time": "210µs",
-                        "inference_time": "799.7ms", "time_per_token": "24.9ms", "seed": "None"}, 813),
-          ("generate_stream", {"total_time": "1.25s", "queue_time": "3ms"}, 1250)])
-    docs = {d["request_id"]: d for d in wait_for(store, 5)}
+FIXTURES = Path(__file__).parent / "fixtures" / "otlp"
+FIXTURE_T0_NS = 1764680000_000000000  # where the derived fixtures' clocks start
+
+
+def post_fixture(port: int, name: str) -> dict:
+    """Post a derived fixture, its times moved to end within the last minute; returns it."""
+    doc = json.loads((FIXTURES / name).read_text())
+    shift = time.time_ns() - 30_000_000_000 - FIXTURE_T0_NS
+
+    def moved(node):
+        if isinstance(node, dict):
+            return {k: (str(int(v) + shift) if k.endswith("UnixNano") else moved(v)) for k, v in node.items()}
+        return [moved(v) for v in node] if isinstance(node, list) else node
+    status, body = post_traces(port, json.dumps(moved(doc)).encode(), "application/json")
+    assert status == 200, body
+    return doc
+
+
+def test_sglang_root_spans_are_requests_with_their_own_latencies(receiver):
+    port, store = receiver(("vllm", "sglang"))
+    doc = post_fixture(port, "sglang_req_spans.json")
+    assert "sglang/srt/observability/trace.py" in json.dumps(doc["_derivedFrom"])
+    docs = {d["request_id"]: d for d in wait_for(store, 2)}
     time.sleep(0.3)
-    assert len(store.query()) == 5  # the thread span and `compute` are not requests
-    assert docs["7f3a9c21e4b54d0f9a8b6c5d4e3f2a10"]["e2e"] == pytest.approx(0.4)
-    assert docs["5e6f7a8b9c0d4e1f"]["e2e"] == pytest.approx(0.3)
-    assert docs["req-42"]["e2e"] == pytest.approx(0.25) and docs["req-42"]["service"] == "llm"
-    tgi = sorted((d for d in docs.values() if d["queue"] is not None), key=lambda d: d["e2e"])
-    # TGI's durations come from its text attributes; the span id names the request.
-    assert [d["e2e"] for d in tgi] == [pytest.approx(0.8124), pytest.approx(1.25)]
-    assert [d["queue"] for d in tgi] == [pytest.approx(0.0125), pytest.approx(0.003)]
-    assert all(d["request_id"] == d["span_id"] for d in tgi)
-    assert all(d["sched"]["runq_wait_seconds"] == pytest.approx(0.1 * d["e2e"], rel=1e-3) for d in docs.values())
+    assert len(store.query()) == 2   # thread spans are not requests
+    unified = docs["7f3a9c21e4b54d0f9a8b6c5d4e3f2a10"]
+    assert (unified["e2e"], unified["ttft"], unified["queue"]) == (0.8123, 0.0412, None)  # SGLang's own figures
+    assert docs["5e6f7a8b9c0d4e1f"]["e2e"] == pytest.approx(0.3, abs=1e-5)   # none recorded: the span's duration
+
+
+def test_triton_infer_request_spans_are_requests(receiver):
+    port, store = receiver(("vllm", "triton"))
+    post_fixture(port, "triton_infer_spans.json")
+    docs = wait_for(store, 2)
+    time.sleep(0.3)
+    assert len(store.query()) == 2   # the model's and compute spans are parts of the request
+    # InferRequest carries no attributes: the span id names the request; the trace id joins its model span.
+    assert sorted((d["request_id"], d["e2e"]) for d in docs) == [
+        ("f100000000000001", pytest.approx(0.251, abs=1e-5)), ("f200000000000001", pytest.approx(0.12, abs=1e-5))]
+    assert all(d["service"] == "llm" and d["queue"] is None for d in docs)
+
+
+def test_tgi_handler_spans_are_requests_not_the_routers_inner_spans_of_the_same_name(receiver):
+    port, store = receiver(("vllm", "tgi"))
+    post_fixture(port, "tgi_router_spans.json")
+    docs = wait_for(store, 5)
+    time.sleep(0.3)
+    assert len(store.query()) == 5   # Infer::generate/generate_stream, async_stream, compat_generate are not
+    got = sorted((d["span_id"], d["e2e"], d["queue"]) for d in docs)
+    assert got == [("a100000000000001", pytest.approx(0.812432571), pytest.approx(0.0125)),
+                   ("b100000000000001", pytest.approx(1.250031), pytest.approx(0.003001)),
+                   ("c100000000000001", pytest.approx(2.402108), pytest.approx(4e-5)),
+                   ("d100000000000001", pytest.approx(0.6405), 0.0),
+                   ("e100000000000002", pytest.approx(0.095004), pytest.approx(0.0011))]
+    assert all(d["request_id"] == d["span_id"] for d in docs)
+    assert all(d["sched"]["runq_wait_seconds"] == pytest.approx(0.1 * (d["end"] - d["start"]), rel=1e-3)
+               for d in docs)
 
 
 def test_only_enabled_presets_and_configured_rules_count(receiver):
