@@ -1,4 +1,5 @@
-"""Spans through a real OpenTelemetry Collector: vLLM -> collector -> slatrace.
+"""Spans through a real OpenTelemetry Collector: vLLM -> collector -> slatrace,
+and (the last test) vLLM -> slatrace -> collector.
 
 The collector is PyPI's `rotel` (a Rust OTLP collector, pinned in the test
 extras), run inside a service cgroup of its own and trusted with `--otlp-relay
@@ -40,7 +41,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import needs_kernel
+from agent.traces.spans import attributes
 from tests.support.agent import Agent, free_port, http_get, wait_for_requests
+from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.vllm_tracing import server_env
 from tests.support.workload import TestCgroup
 
@@ -58,7 +61,8 @@ def rotel_binary() -> Path:
 
 
 def start_collector(cg: TestCgroup, workdir: Path, agent_grpc: int) -> tuple[subprocess.Popen, int, int]:
-    """rotel inside `cg`, exporting to the agent's OTLP/gRPC receiver; (process, gRPC port, HTTP port)."""
+    """rotel inside `cg`, exporting to an OTLP/gRPC receiver on this port (the
+    agent's); (process, gRPC port, HTTP port)."""
     grpc_port, http_port = free_port(), free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     proc = cg.spawn([str(rotel_binary()), "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
@@ -173,3 +177,28 @@ def test_unknown_origins_are_counted_not_guessed(scene):
         assert metric(metrics, "slatrace_otlp_spans_unresolved_total", f'reason="{reason}"') == len(sent[name])
         assert spans["unresolved"][reason] == len(sent[name])
     assert spans["relays"] == [{"service": "otel-relay"}]
+
+
+def test_the_agent_forwards_enriched_spans_through_a_real_collector(tmp_path):
+    """vLLM -> slatrace -> collector: the agent's --otlp-endpoint is rotel,
+    which exports on to a test OTLP receiver; every request span arrives there
+    with the agent's `slatrace.service`."""
+    needs_kernel()
+    config = tmp_path / "slatrace.yaml"
+    config.write_text(f'services:\n  - name: app-fwd\n    cgroup: "/slatrace-test-app-fwd-{TAG}-*"\n')
+    agent_grpc = free_port()
+    with OtlpReceiver(http_enabled=False) as sink, TestCgroup("collector-out") as out_cg, \
+            TestCgroup("app-fwd") as app_cg:
+        collector, c_grpc, _ = start_collector(out_cg, tmp_path / "out", sink.grpc_port)
+        with Agent("--otlp-grpc-listen", f"127.0.0.1:{agent_grpc}", "--otlp-endpoint", f"http://127.0.0.1:{c_grpc}",
+                   config=config, interval=0.5):
+            sent = set(request_ids(serve(app_cg, f"http://127.0.0.1:{agent_grpc}", f"fwd-{TAG}", server_env())))
+
+            def arrived(received) -> dict[str, dict]:
+                return {a["gen_ai.request.id"]: a for r in received for rs in r.request.resource_spans
+                        for ss in rs.scope_spans for span in ss.spans if span.name == "llm_request"
+                        for a in [attributes(span.attributes)]}
+            got = arrived(sink.wait_for_traces(timeout=60, predicate=lambda rx: sent <= set(arrived(rx))))
+        assert collector.poll() is None
+    assert sent <= set(got), f"not forwarded through the collector: {sorted(sent - set(got))}"
+    assert {got[rid]["slatrace.service"] for rid in sent} == {"app-fwd"}
