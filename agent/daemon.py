@@ -261,7 +261,7 @@ class Daemon:
         return exporter
 
     def apply_config(self, new: Config) -> None:
-        """Services and SLOs of a reloaded config, everywhere they are read."""
+        """Services, SLOs and trusted relays of a reloaded config, everywhere they are read."""
         if self._resolver is not None and new.services != self.config.services:
             self._resolver.set_rules(new.services)
         if new.slos != self.config.slos:
@@ -270,6 +270,8 @@ class Daemon:
             if self._traces is not None:
                 self._traces.pipeline.set_slos(new.slos)
             self._slo_warnings.reset()
+        if new.otlp_relays != self.config.otlp_relays and self._traces is not None:
+            self._traces.span_services.set_relays(new.otlp_relays)
         self.config = new
         self.state.config = new
 

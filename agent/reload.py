@@ -20,7 +20,7 @@ __all__ = ["ConfigReloader", "describe_changes", "load_with_overrides"]
 
 log = logging.getLogger("slatrace")
 
-LIVE = ("services", "slos")
+LIVE = ("services", "slos", "otlp_relays")
 
 
 def load_with_overrides(path: str | None, overrides: dict) -> Config:
@@ -59,6 +59,8 @@ def describe_changes(old: Config, new: Config) -> tuple[str, list[str]]:
     slos = _diff(_by_name(old.slos, "service"), _by_name(new.slos, "service"))
     if slos:
         said.append("slos " + " ".join(slos))
+    if old.otlp_relays != new.otlp_relays:
+        said.append(f"otlp_relays {len(old.otlp_relays)}->{len(new.otlp_relays)}")
     restart = [f.name for f in fields(Config) if f.name not in LIVE and getattr(old, f.name) != getattr(new, f.name)]
     return ("; ".join(said) or "nothing"), restart
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -202,3 +203,29 @@ def test_the_agent_forwards_enriched_spans_through_a_real_collector(tmp_path):
         assert collector.poll() is None
     assert sent <= set(got), f"not forwarded through the collector: {sorted(sent - set(got))}"
     assert {got[rid]["slatrace.service"] for rid in sent} == {"app-fwd"}
+
+
+def test_a_relay_named_by_a_reload_is_trusted_from_then_on(tmp_path):
+    """SIGHUP with otlp_relays added: the collector's spans, its own until
+    then, take the origin it vouches for from the reload on."""
+    needs_kernel()
+    services = (f'services:\n  - name: app-reload\n    cgroup: "/slatrace-test-app-reload-{TAG}-*"\n'
+                f'  - name: relay-reload\n    cgroup: "/slatrace-test-relay-reload-{TAG}-*"\n')
+    config = tmp_path / "slatrace.yaml"
+    config.write_text(services)
+    agent_grpc = free_port()
+    env = server_env(OTEL_EXPERIMENTAL_RESOURCE_DETECTORS="otel,process,host")
+    with Agent("--otlp-grpc-listen", f"127.0.0.1:{agent_grpc}", config=config, interval=0.5) as agent, \
+            TestCgroup("relay-reload") as relay_cg, TestCgroup("app-reload") as app_cg:
+        _, c_grpc, _ = start_collector(relay_cg, tmp_path / "relay", agent_grpc)
+        before = request_ids(serve(app_cg, f"http://127.0.0.1:{c_grpc}", f"before-{TAG}", env))
+        config.write_text(services + "otlp_relays:\n  - service: relay-reload\n")
+        agent.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while "otlp_relays 0->1" not in agent.output():
+            assert time.monotonic() < deadline, agent.output()
+            time.sleep(0.1)
+        after = request_ids(serve(app_cg, f"http://127.0.0.1:{c_grpc}", f"after-{TAG}", env))
+        got = wait_for_requests(agent, set(before) | set(after), timeout=60)
+    assert {(got[r]["service"], got[r]["service_from"]) for r in before} == {("relay-reload", "connection")}
+    assert {(got[r]["service"], got[r]["service_from"]) for r in after} == {("app-reload", "relay:process.pid")}

@@ -220,6 +220,12 @@ def test_this_host_from_its_files(tmp_path):
     assert host.judge({"host.name": "elsewhere"}) is False and host.judge({"process.pid": 1}) is None
 
 
+def test_a_reload_changes_the_relays_live():
+    from agent.config import Config
+    from agent.reload import describe_changes
+    assert describe_changes(Config(), Config(otlp_relays=(RelayRule(service="otelcol"),))) == ("otlp_relays 0->1", [])
+
+
 def test_relay_config_and_flags():
     relays = [{"service": "otel*"}, {"k8s_namespace": "observability", "k8s_service_account": "otel"}]
     config = parse_config({"otlp_relays": relays}, "c.yaml")
