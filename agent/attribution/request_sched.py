@@ -250,8 +250,8 @@ class EventSched:
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         waits = self._log.thread_waits(cgids, lo, hi)
         critical = [tid for tid in waits if self._carries_work(tid)]
-        delay = critical_delay({tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in waits[tid]]
-                                for tid in critical}, critical)
+        delay = critical_delay({tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in w]
+                                for tid, w in waits.items()}, critical, own=service)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
                             by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)

@@ -149,8 +149,8 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     service = doc.get("service")
     for by in sched.get("delay_by") or []:
         who = by["service"]
-        label = ("  woke to an idle CPU" if who == "idle" else "  behind its own threads" if who == service
-                 else "  no culprit recorded" if who == "unknown" else f"  because of {who}")
+        label = ("  idle CPU (wake-up)" if who == "idle" else "  its own threads" if who == service
+                 else "  no culprit known" if who == "unknown" else f"  {who}")
         rows.append((label, _bar(0, by["seconds"], e2e, "red", width), fmt_seconds(by["seconds"])))
     if sched:
         if sched.get("iowait_seconds"):

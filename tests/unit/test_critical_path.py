@@ -28,6 +28,11 @@ def test_union_and_split_by_hand():
     assert d.seconds == pytest.approx(0.040)
     # 10-20 batch alone; 20-30 batch and vllm at once, 5 ms each; 30-40 vllm; 50-60 idle.
     assert d.by == (("batch", pytest.approx(0.015)), ("vllm", pytest.approx(0.015)), ("idle", pytest.approx(0.010)))
+    # Told which service they belong to: B's wait behind its own threads fell
+    # while the helper was kept waiting by batch, so it was batch's CPU in the end.
+    chained = critical_delay(waits, threads=[1, 2], own="vllm")
+    assert chained.seconds == pytest.approx(0.040)
+    assert chained.by == (("batch", pytest.approx(0.030)), ("idle", pytest.approx(0.010)))
     # With the helper: the whole window, never more.
     everyone = critical_delay(waits, threads=[1, 2, 3])
     assert everyone.seconds == pytest.approx(0.100)
@@ -83,7 +88,8 @@ def test_event_sched_counts_the_threads_named_like_their_process():
     log.add([SchedEvent(10, EV_PREEMPTED, base + 10 * MS, base + 30 * MS, 11, 100),   # loop preempted by batch
              SchedEvent(10, EV_RUNQ, base + 20 * MS, base + 25 * MS, 0, 200),          # API woke to an idle CPU
              SchedEvent(10, EV_RUNQ, base + 40 * MS, base + 50 * MS, 10, 101),         # behind its own threads
-             SchedEvent(10, EV_RUNQ, base + 0 * MS, base + 90 * MS, 11, 102),          # the helper: not counted
+             SchedEvent(10, EV_RUNQ, base + 0 * MS, base + 45 * MS, 11, 102),          # the helper: not counted,
+             SchedEvent(10, EV_RUNQ, base + 50 * MS, base + 95 * MS, 11, 102),         # but it says who held the CPU
              SchedEvent(10, EV_PREEMPTED, base + 95 * MS, base + 120 * MS, 11, 100)])  # straddles the end
     service_of = {10: "vllm", 11: "batch"}.__getitem__
     sched = EventSched(log, lambda s: {10}, service_of, Fallback(), thread_names=names.get)
@@ -93,17 +99,18 @@ def test_event_sched_counts_the_threads_named_like_their_process():
     offset = time.time_ns() - time.monotonic_ns()
     start, end = (base + offset) / 1e9, (base + offset + 100 * MS) / 1e9
     got = sched.between("vllm", start, end)
-    # Thread-seconds: 20 + 5 + 10 + 90 + 5 = 130 ms, more than the 100 ms request.
+    # Thread-seconds: 20 + 5 + 10 + 45 + 45 + 5 = 130 ms, more than the 100 ms request.
     assert got.runq_wait_seconds == pytest.approx(0.130, abs=2e-6)
     # Delay: [10, 30] + [40, 50] + [95, 100] = 35 ms (the API's 20-25 lies inside the loop's wait).
     assert got.delay_seconds == pytest.approx(0.035, abs=2e-6)
-    # 10-20 batch; 20-25 batch and idle, 2.5 ms each; 25-30 batch; 40-50 self; 95-100 batch.
-    assert got.delay_by == (("batch", pytest.approx(0.0225, abs=2e-6)), ("vllm", pytest.approx(0.010, abs=2e-6)),
+    # 10-20 batch; 20-25 batch and idle, 2.5 ms each; 25-30 batch; 40-50 behind its own thread, of which
+    # 40-45 while the helper was kept waiting by batch (batch's), 45-50 its own; 95-100 batch.
+    assert got.delay_by == (("batch", pytest.approx(0.0275, abs=2e-6)), ("vllm", pytest.approx(0.005, abs=2e-6)),
                             ("idle", pytest.approx(0.0025, abs=2e-6)))
     assert got.delay_threads == 3
     doc = got.as_dict()
     assert doc["runq_thread_seconds"] == doc["runq_wait_seconds"] == got.runq_wait_seconds
-    assert doc["delay_by"][0] == {"service": "batch", "seconds": pytest.approx(0.0225, abs=2e-6)}
+    assert doc["delay_by"][0] == {"service": "batch", "seconds": pytest.approx(0.0275, abs=2e-6)}
     # The by-thread view still shows every thread's waits, the helper's first.
     assert got.by_thread[0][:3] == (100, "VLLM::EngineCor", "gloo_tcp_loop")
 
