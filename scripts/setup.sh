@@ -12,7 +12,9 @@
 #   scripts/setup.sh --headers-tree DIR
 #                              Debian's kernel headers merged into one DIR, the
 #                              form BCC_KERNEL_SOURCE takes
-#   SLATRACE_SETUP_TEST=1      also the packages the test suite and benchmarks use
+#   SLATRACE_SETUP_TEST=1      also the packages the test suite and benchmarks use,
+#                              and the real vLLM engine of the inference tier in a
+#                              venv of its own (scripts/setup-vllm.sh, built once)
 #   SLATRACE_SETUP_IMAGE=1     building the container image (Dockerfile): mounts
 #                              nothing, ships the headers tree but not the compiler
 #                              the headers package pulls in, no test extras
@@ -297,7 +299,13 @@ setup_venv() {
 }
 
 case "$mode" in
-    all) setup_host; setup_venv ;;
+    all)
+        setup_host
+        setup_venv
+        if [ "${SLATRACE_SETUP_TEST:-0}" = 1 ] && [ "$image" != 1 ]; then
+            "$here/scripts/setup-vllm.sh"
+        fi
+        ;;
     --host) setup_host ;;
     --venv) setup_venv ;;
     --deps) setup_deps ;;

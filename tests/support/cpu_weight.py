@@ -1,0 +1,69 @@
+"""A CPU weight for a test's neighbour, wherever the cpu controller lives.
+
+A neighbour delays a latency-sensitive service only when it weighs more (as a
+pod with larger CPU requests does): at equal weight the service's short,
+waking threads preempt a hog at once. On a hybrid hierarchy the cpu controller
+may sit on cgroup v1 (and autogroup makes `nice` meaningless), so the weight is
+v1's `cpu.shares` there, v2's `cpu.weight` where cpu is on v2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+
+from tests.support import rmdir_when_free
+
+V1_SHARES_PER_WEIGHT = 1024 / 100   # cpu.shares 1024 = cpu.weight 100, the default of both
+
+
+def v1_cpu_mount(mounts_text: str | None = None) -> Path | None:
+    """Where the v1 cpu controller is mounted, if it is."""
+    text = mounts_text if mounts_text is not None else Path("/proc/mounts").read_text()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[2] == "cgroup" and "cpu" in parts[3].split(","):
+            return Path(parts[1])
+    return None
+
+
+class CpuWeight:
+    """Processes added get `weight` (cgroup v2 units: 100 is the default) for as
+    long as the context lasts. `v2_dir` is the test cgroup the processes are
+    already in, used when the cpu controller is on v2."""
+
+    def __init__(self, name: str, weight: int, v2_dir: Path) -> None:
+        self.weight = weight
+        self._v1 = v1_cpu_mount()
+        if self._v1 is not None:
+            self.dir = self._v1 / f"slatrace-test-{name}-{os.getpid()}"
+        else:
+            self.dir = v2_dir
+
+    def __enter__(self) -> "CpuWeight":
+        if self._v1 is not None:
+            self.dir.mkdir()
+            (self.dir / "cpu.shares").write_text(str(int(self.weight * V1_SHARES_PER_WEIGHT)))
+        else:
+            parent = self.dir.parent / "cgroup.subtree_control"
+            if "cpu" not in parent.read_text().split():
+                parent.write_text("+cpu")
+            (self.dir / "cpu.weight").write_text(str(self.weight))
+        return self
+
+    def add(self, pid: int) -> None:
+        if self._v1 is not None:
+            (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._v1 is None:
+            return
+        # Whatever is left goes back to the root: a v1 cgroup with tasks cannot be removed.
+        for pid in (self.dir / "cgroup.procs").read_text().split():
+            try:
+                (self._v1 / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # exited meanwhile
+        rmdir_when_free(self.dir)
