@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from tests.support import rmdir_when_free
+from tests.support import pid_alive, rmdir_when_free
 
 V1_SHARES_PER_WEIGHT = 1024 / 100   # cpu.shares 1024 = cpu.weight 100, the default of both
 
@@ -43,6 +43,10 @@ class CpuWeight:
 
     def __enter__(self) -> "CpuWeight":
         if self._v1 is not None:
+            for stale in self._v1.glob("slatrace-test-*-*"):   # left by a run that was killed
+                owner = stale.name.rsplit("-", 1)[-1]
+                if owner.isdigit() and not pid_alive(int(owner)):
+                    _empty_and_remove(self._v1, stale)
             self.dir.mkdir()
             (self.dir / "cpu.shares").write_text(str(int(self.weight * V1_SHARES_PER_WEIGHT)))
         else:
@@ -58,12 +62,15 @@ class CpuWeight:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if self._v1 is None:
-            return
-        # Whatever is left goes back to the root: a v1 cgroup with tasks cannot be removed.
-        for pid in (self.dir / "cgroup.procs").read_text().split():
-            try:
-                (self._v1 / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass  # exited meanwhile
-        rmdir_when_free(self.dir)
+        if self._v1 is not None:
+            _empty_and_remove(self._v1, self.dir)
+
+
+def _empty_and_remove(root: Path, cgroup: Path) -> None:
+    """Whatever is left goes back to the root: a v1 cgroup with tasks cannot be removed."""
+    for pid in (cgroup / "cgroup.procs").read_text().split():
+        try:
+            (root / "cgroup.procs").write_text(pid)
+        except OSError:
+            pass  # exited meanwhile
+    rmdir_when_free(cgroup)
