@@ -579,7 +579,10 @@ class SpanServices:
             return SpanOrigin(None, "unresolved", reason=RELAY_PID_WITHOUT_HOST)
         if not here:
             return SpanOrigin(None, "unresolved", reason=RELAY_OTHER_HOST)
-        path, cgid = self._cgroup_of(claimed)
+        # The host's process of that pid, if it would report the same pid itself: a
+        # process in a pid namespace of its own reports another one (its pod names it).
+        own = ns_pids(self._proc, claimed)
+        path, cgid = self._cgroup_of(claimed) if own and own[-1] == claimed else (None, None)
         if cgid is None:
             return SpanOrigin(None, "unresolved", reason=RELAY_ORIGIN_NOT_FOUND)
         return SpanOrigin(self._service_of(cgid), "relay:" + attr, cgid, claimed)

@@ -99,6 +99,8 @@ def test_a_relay_on_the_host_vouches_for_a_pid_of_this_host(node):
     assert origin(services, OTELCOL, process_pid=4242)[3] == RELAY_PID_WITHOUT_HOST
     assert origin(services, OTELCOL, process_pid=4242, host_name="node-b")[3] == RELAY_OTHER_HOST
     assert origin(services, OTELCOL, process_pid=31337, host_name="node-a")[3] == RELAY_ORIGIN_NOT_FOUND
+    # A host pid whose process lives in a pid namespace of its own (a container) would not report it: not it.
+    assert origin(services, OTELCOL, process_pid=9101, host_name="node-a")[3] == RELAY_ORIGIN_NOT_FOUND
     assert origin(services, OTELCOL, service_name="vllm")[:4] == (None, "unresolved", None, RELAY_NO_ORIGIN)
 
 
