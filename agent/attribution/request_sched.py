@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Callable, Protocol
 
 from agent.attribution.critical_path import critical_delay
@@ -39,6 +40,8 @@ class RequestSched:
     delay_by: tuple[tuple[str, float], ...] = ()
     # the threads whose waits make up the delay (exact figures only)
     delay_threads: int = 0
+    # the delay inside each phase vLLM reported (queued, prefill, decode)
+    phases: tuple[PhaseDelay, ...] = ()
 
     def as_dict(self) -> dict:
         return {
@@ -53,10 +56,26 @@ class RequestSched:
             "migrations": self.migrations,
             "by_thread": [{"pid": pid, "process": process, "thread": thread, "wait_seconds": w}
                           for pid, process, thread, w in self.by_thread],
+            "phases": [p.as_dict() for p in self.phases],
         }
 
 
 MAX_THREADS_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class PhaseDelay:
+    """The scheduling delay inside one phase of a request (queued, prefill, decode)."""
+
+    phase: str
+    start: float
+    end: float
+    delay_seconds: float
+    delay_by: tuple[tuple[str, float], ...]
+
+    def as_dict(self) -> dict:
+        return {"phase": self.phase, "start": self.start, "end": self.end, "delay_seconds": self.delay_seconds,
+                "delay_by": [{"service": s, "seconds": w} for s, w in self.delay_by]}
 
 
 def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
@@ -76,6 +95,9 @@ class RequestSchedSource(Protocol):
 
     def between(self, service: str, start: float, end: float) -> RequestSched:
         """Figures of `service` over [start, end] (Unix seconds)."""
+
+    # Sources that can also cut a request into its phases have
+    # phase_delays(service, [(phase, start, end), ...]) -> tuple[PhaseDelay, ...].
 
 
 class IntervalSched:
@@ -117,6 +139,20 @@ class IntervalSched:
         delay, delay_by = capped_delay(runq, by, behind, end - start)
         return RequestSched(runq, round(preemptions), _ranked(by), iowait, round(migrations), self._interval,
                             _ranked(behind), delay_seconds=delay, delay_by=delay_by)
+
+
+    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
+        return phases_between(self, service, phases)
+
+
+def phases_between(source: RequestSchedSource, service: str,
+                   phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
+    """Each phase's delay as a request of its own (what prorated figures can do)."""
+    out = []
+    for phase, start, end in phases:
+        got = source.between(service, start, end)
+        out.append(PhaseDelay(phase, start, end, got.delay_seconds, got.delay_by))
+    return tuple(out)
 
 
 def capped_delay(runq: float, preempted_by: dict[str, float], behind: dict[str, float],
@@ -250,13 +286,37 @@ class EventSched:
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         waits = self._log.thread_waits(cgids, lo, hi)
         critical = [tid for tid in waits if self._carries_work(tid)]
-        delay = critical_delay({tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in w]
-                                for tid, w in waits.items()}, critical, own=service)
+        delay = critical_delay(self._blamed(waits), critical, own=service)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
                             by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)
                                                        for tid, w in waits.items()}),
                             delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical))
+
+    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
+        """The delay inside each phase window (Unix seconds) of one request."""
+        if not phases:
+            return ()
+        with self._lock:
+            since = self._watching.get(service, float("inf"))
+        start, end = min(p[1] for p in phases), max(p[2] for p in phases)
+        if start < since:
+            return phases_between(self._fallback, service, phases)
+        offset = self._offset_ns
+        waits = self._blamed(self._log.thread_waits(self._cgroups_of(service), int(start * 1e9) - offset,
+                                                    int(end * 1e9) - offset))
+        critical = [tid for tid in waits if self._carries_work(tid)]
+        out = []
+        for phase, a, b in phases:
+            lo, hi = int(a * 1e9) - offset, int(b * 1e9) - offset
+            clipped = {tid: [(max(s, lo), min(e, hi), c) for s, e, c in w if e > lo and s < hi]
+                       for tid, w in waits.items()}
+            d = critical_delay(clipped, critical, own=service)
+            out.append(PhaseDelay(phase, a, b, d.seconds, d.by))
+        return tuple(out)
+
+    def _blamed(self, waits: dict[int, list[tuple[int, int, int, int]]]) -> dict[int, list[tuple[int, int, str]]]:
+        return {tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in w] for tid, w in waits.items()}
 
     def _culprit(self, kind: int, other: int) -> str:
         """Who kept the CPU from a wait: the preemptor, or whoever held the CPU

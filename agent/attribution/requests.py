@@ -22,6 +22,7 @@ __all__ = [
     "REQUEST_SLOS",
     "causes",
     "judge",
+    "phase_windows",
     "request_document",
     "verdict",
 ]
@@ -60,6 +61,25 @@ def causes(sched: RequestSched) -> list[Cause]:
     if sched.iowait_seconds > 0:
         out.append(Cause("iowait", sched.iowait_seconds))
     out.sort(key=lambda c: c.seconds, reverse=True)
+    return out
+
+
+PHASES = ("queue", "prefill", "decode")
+
+
+def phase_windows(span: RequestSpan) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in Unix seconds of the phases vLLM reported, one
+    after the other from the request's start, within [start, end]."""
+    out = []
+    t = span.start
+    for name in PHASES:
+        length = getattr(span, name)
+        if length is None or not length > 0:
+            continue
+        a, b = min(t, span.end), min(t + length, span.end)
+        if b > a:
+            out.append((name, a, b))
+        t += length
     return out
 
 

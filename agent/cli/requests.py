@@ -132,17 +132,24 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     e2e = doc.get("e2e") or 0.0
     rows = [("end to end", _bar(0, e2e, e2e, "bold", width), fmt_seconds(e2e))]
     phases = doc.get("phases") or {}
+    sched = doc.get("sched") or {}
+    cut = {p["phase"]: p for p in sched.get("phases") or []}
     offset = 0.0
     for name in ("queue", "prefill", "decode"):
         value = phases.get(name)
         if value is None:
             continue
         rows.append((name, _bar(offset, value, e2e, "cyan", width), fmt_seconds(value)))
+        waited = cut.get(name)
+        if waited is not None and waited["delay_seconds"] > 0:
+            top = waited["delay_by"][0]["service"] if waited["delay_by"] else None
+            rows.append((f"  waited for a CPU{f' ({top})' if top else ''}",
+                         _bar(offset, waited["delay_seconds"], e2e, "red", width),
+                         fmt_seconds(waited["delay_seconds"])))
         offset += value
     ttft = doc.get("ttft")
     if ttft is not None:
         rows.append(("first token", _bar(0, ttft, e2e, "green", width), fmt_seconds(ttft)))
-    sched = doc.get("sched") or {}
     if sched:
         delay = sched.get("delay_seconds")
         rows.append(("waited for a CPU", _bar(0, delay, e2e, "yellow", width), fmt_seconds(delay)))

@@ -31,7 +31,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from agent.attribution.request_sched import RequestSched, RequestSchedSource
-from agent.attribution.requests import judge, request_document
+from agent.attribution.requests import judge, phase_windows, request_document
 from agent.config import Slo
 from agent.identity.services import HOST, KERNEL, OTHER, UNKNOWN
 from agent.traces.identity import Peer, SpanOrigin, SpanServices, describe_peer, unresolved_hint
@@ -228,6 +228,10 @@ class RequestPipeline:
         if service is not None:
             try:
                 sched = self._sched.between(service, span.start, span.end)
+                windows = phase_windows(span)
+                cut = getattr(self._sched, "phase_delays", None)  # sources that can cut a request in phases
+                if windows and cut is not None:
+                    sched = replace(sched, phases=cut(service, windows))
             except Exception:  # a source bug must cost one request's figures, not the pipeline
                 self.counters.add_attribution_error()
                 log.exception("scheduling figures for request %s failed", span.request_id)

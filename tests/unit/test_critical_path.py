@@ -10,6 +10,8 @@ import pytest
 
 from agent.attribution.critical_path import critical_delay
 from agent.attribution.request_sched import EventSched, capped_delay
+from agent.attribution.request_span import RequestSpan
+from agent.attribution.requests import phase_windows
 from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent
 from agent.store.events import EventLog
 
@@ -77,10 +79,13 @@ class Fallback:
         raise AssertionError("exact figures expected")
 
 
-def test_event_sched_counts_the_threads_named_like_their_process():
-    # Two processes of one service: an engine (pid 100: its loop 100 and an
-    # output thread 101, both named like it, and gloo's TCP loop 102) and an
-    # API server (pid 200). Other cgroups: 11 = batch; 0 = idle when woken.
+def engine_scene() -> tuple[EventSched, float]:
+    """An engine's waits over a 100 ms request starting at the returned wall time.
+
+    Two processes of one service: an engine (pid 100: its loop 100 and an
+    output thread 101, both named like it, and gloo's TCP loop 102) and an
+    API server (pid 200). Other cgroups: 11 = batch; 0 = idle when woken.
+    """
     names = {100: (100, "VLLM::EngineCor", "VLLM::EngineCor"), 101: (100, "VLLM::EngineCor", "VLLM::EngineCor"),
              102: (100, "VLLM::EngineCor", "gloo_tcp_loop"), 200: (200, "vllm", "vllm")}
     log = EventLog(retention_ns=10**15)
@@ -97,8 +102,12 @@ def test_event_sched_counts_the_threads_named_like_their_process():
     sched.watched_cgroups()
     sched._watching["vllm"] = 0.0
     offset = time.time_ns() - time.monotonic_ns()
-    start, end = (base + offset) / 1e9, (base + offset + 100 * MS) / 1e9
-    got = sched.between("vllm", start, end)
+    return sched, (base + offset) / 1e9
+
+
+def test_event_sched_counts_the_threads_named_like_their_process():
+    sched, start = engine_scene()
+    got = sched.between("vllm", start, start + 0.100)
     # Thread-seconds: 20 + 5 + 10 + 45 + 45 + 5 = 130 ms, more than the 100 ms request.
     assert got.runq_wait_seconds == pytest.approx(0.130, abs=2e-6)
     # Delay: [10, 30] + [40, 50] + [95, 100] = 35 ms (the API's 20-25 lies inside the loop's wait).
@@ -121,3 +130,37 @@ def test_prorated_figures_cap_the_thread_seconds_at_the_duration():
     assert delay == pytest.approx(0.2)
     assert by == (("batch", pytest.approx(0.12)), ("idle", pytest.approx(0.04)), ("unknown", pytest.approx(0.04)))
     assert capped_delay(0.05, {"batch": 0.05}, {}, 0.2) == (0.05, (("batch", pytest.approx(0.05)),))
+
+
+def test_phase_windows_follow_each_other_from_the_start():
+    span = RequestSpan("r", "ab" * 16, "cd" * 8, None, 100.0, 101.8, 1.8, ttft=0.4, queue=0.05, prefill=0.3,
+                       decode=1.4)
+    assert phase_windows(span) == [("queue", 100.0, pytest.approx(100.05)),
+                                   ("prefill", pytest.approx(100.05), pytest.approx(100.35)),
+                                   ("decode", pytest.approx(100.35), pytest.approx(101.75))]
+    # A phase reaching past the end is cut there; absent ones are left out.
+    late = RequestSpan("r", "ab" * 16, "cd" * 8, None, 100.0, 100.5, 0.5, queue=None, prefill=0.3, decode=0.4)
+    assert phase_windows(late) == [("prefill", 100.0, pytest.approx(100.3)),
+                                   ("decode", pytest.approx(100.3), 100.5)]
+
+
+def test_the_delay_of_each_phase():
+    sched, start = engine_scene()
+    phases = sched.phase_delays("vllm", [("queue", start, start + 0.010), ("prefill", start + 0.010, start + 0.040),
+                                         ("decode", start + 0.040, start + 0.100)])
+    assert [p.phase for p in phases] == ["queue", "prefill", "decode"]
+    # Queued 0-10 ms: nothing of the work waited.
+    assert phases[0].delay_seconds == pytest.approx(0.0, abs=2e-6) and phases[0].delay_by == ()
+    # Prefill 10-40: the loop 10-30 (batch), the API 20-25 (idle) inside it: 20 ms, 17.5 batch and 2.5 idle.
+    assert phases[1].delay_seconds == pytest.approx(0.020, abs=2e-6)
+    assert phases[1].delay_by == (("batch", pytest.approx(0.0175, abs=2e-6)), ("idle", pytest.approx(0.0025, abs=2e-6)))
+    # Decode 40-100: 40-50 behind its own thread (40-45 while the helper waited for batch), 95-100 batch.
+    assert phases[2].delay_seconds == pytest.approx(0.015, abs=2e-6)
+    assert phases[2].delay_by == (("batch", pytest.approx(0.010, abs=2e-6)), ("vllm", pytest.approx(0.005, abs=2e-6)))
+    # The phases cover the request: their delays add up to the request's.
+    whole = sched.between("vllm", start, start + 0.1)
+    assert sum(p.delay_seconds for p in phases) == pytest.approx(whole.delay_seconds)
+    assert phases[1].as_dict() == {"phase": "prefill", "start": start + 0.010, "end": start + 0.040,
+                                   "delay_seconds": pytest.approx(0.020, abs=2e-6),
+                                   "delay_by": [{"service": "batch", "seconds": pytest.approx(0.0175, abs=2e-6)},
+                                                {"service": "idle", "seconds": pytest.approx(0.0025, abs=2e-6)}]}

@@ -301,7 +301,8 @@ def test_request_document_has_the_spec_shape():
                                          {"service": "unknown", "seconds": pytest.approx(0.02)}],
                             "runq_thread_seconds": 0.84, "runq_wait_seconds": 0.84, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.76}],
-                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": []}
+                            "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": [],
+                            "phases": []}
     assert doc["culprits"] == [{"service": "batch", "wait_seconds": 0.19}]
     json.dumps(doc)
 
