@@ -260,7 +260,7 @@ def prerequisites(proc: Path = Path("/proc")) -> tuple[list[Prerequisite], dict]
     what was found on the way (tracefs, the switch states, the cgroup2 mount)
     for detect(). `slatrace check` lists them all; detect() stops at the
     first that fails."""
-    out: list[Prerequisite] = []
+    out: list[Prerequisite] = [kernel_version()]
     found: dict = {}
     status = (proc / "self" / "status").read_text()
     try:
@@ -294,13 +294,50 @@ def prerequisites(proc: Path = Path("/proc")) -> tuple[list[Prerequisite], dict]
         except (OSError, ValueError) as e:
             out.append(Prerequisite("preempt-flag", False, f"cannot read the preemption flag from sched_switch's "
                                     f"format ({e}); this kernel's tracepoint layout is not supported"))
-    mount = find_cgroup2_mount((proc / "mounts").read_text())
+    mounts = (proc / "mounts").read_text()
+    mount = find_cgroup2_mount(mounts)
     if mount is not None:
         found["cgroup2"] = Path(mount)
     out.append(Prerequisite("cgroup2", mount is not None, f"mounted at {mount}" if mount else
-                            "no cgroup v2 hierarchy is mounted, and services are told apart by their cgroup v2 "
-                            "id: mount one with 'mount -t cgroup2 none /sys/fs/cgroup/unified'"))
+                            cgroup_v1_only_problem(mounts)))
     return out, found
+
+
+# The oldest kernel the programs load on: the BPF ring buffer (5.8) carries
+# the per-request event stream; bpf_probe_read_kernel is 5.5.
+MIN_KERNEL = (5, 8)
+
+
+def kernel_version(release: str | None = None) -> Prerequisite:
+    release = release or os.uname().release
+    m = re.match(r"(\d+)\.(\d+)", release)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= MIN_KERNEL:
+        return Prerequisite("kernel", True, f"{release} (5.8 or later)")
+    return Prerequisite("kernel", False, f"kernel {release} is older than 5.8, which slatrace's BPF programs need "
+                        "(the BPF ring buffer): run it on a node with kernel 5.8 or later (docs/kernels.md)")
+
+
+def cgroup_v1_only_problem(mounts_text: str) -> str:
+    """Why a host without a cgroup v2 hierarchy cannot be served, and the fix.
+
+    The programs tell services apart by the cgroup v2 id of the running task
+    (bpf_get_current_cgroup_id). On a host whose init system places processes
+    in cgroup v1 hierarchies only, every process sits in the v2 root, so the
+    id is the same for all of them: mounting cgroup2 by hand would not change
+    that, and per-service figures would silently all read "host"."""
+    v1 = sorted({opt for line in mounts_text.splitlines() if len(line.split()) > 3 and line.split()[2] == "cgroup"
+                 for opt in line.split()[3].split(",") if opt in V1_CONTROLLERS})
+    where = f"this host places processes in cgroup v1 hierarchies only ({', '.join(v1)})" if v1 else \
+        "no cgroup hierarchy is mounted"
+    return (f"no cgroup v2 hierarchy is mounted: {where}, where every process has the same cgroup v2 id and "
+            "slatrace could not tell services apart; boot the node with cgroup v2 (kernel command line "
+            "systemd.unified_cgroup_hierarchy=1, the default of current distributions and what Kubernetes "
+            "recommends) or systemd's hybrid layout, which places processes in a cgroup v2 hierarchy too")
+
+
+# cgroup v1 controllers, to name the hierarchies a v1-only host mounts.
+V1_CONTROLLERS = frozenset({"cpu", "cpuacct", "cpuset", "memory", "blkio", "pids", "devices", "freezer", "net_cls",
+                            "net_prio", "perf_event", "hugetlb", "rdma", "misc"})
 
 
 def detect() -> Features:

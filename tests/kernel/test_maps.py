@@ -10,6 +10,7 @@ import time
 import pytest
 
 from agent.probe.snapshot import HIST_RUNQ
+from agent.store.tally import arrived
 from tests.support.tracefs import TraceRecorder, reference
 from tests.support.workload import TestCgroup, hog_argv, process_state, victim_argv, wait_zombie
 
@@ -121,11 +122,16 @@ def test_full_maps_count_what_they_lose(kernel):
     assert exported[("victim", "blame")] == lost.lost_blame
 
 
-def test_drains_in_a_row_count_each_wait_once(probe):
+@pytest.mark.parametrize("array_batch", [None, False], ids=["batch", "one-at-a-time"])
+def test_drains_in_a_row_count_each_wait_once(probe, array_batch):
     """Most counts sit in the per-CPU caches (hist_cache, blame_cache) until a
     drain reads and zeroes their half. Drains every 50 ms over one recorded
     span add up to the tracefs reference: a half left unzeroed would count
-    its waits again two drains later, a lost flush would miss them."""
+    its waits again two drains later, a lost flush would miss them. Both ways
+    of reading the caches: in one batch, and one entry at a time as on
+    kernels before 5.13 (which have no batch lookup for per-CPU arrays).
+    The self-check's tally equals what arrived, drain by drain."""
+    probe._array_batch = array_batch
     with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg:
         for i in range(2):
             noisy.spawn(hog_argv(cpu=i % 2))
@@ -156,3 +162,6 @@ def test_drains_in_a_row_count_each_wait_once(probe):
     # are short (~100 µs), so the sum is bounded per wait rather than in %.
     assert 0 <= ref.total_wait_ns - wait_ns <= 10_000 * waits
     assert blamed == waits
+    assert probe._array_batch is (array_batch if array_batch is False else True)
+    seen = sum(s.tally[0] for s in snaps)
+    assert seen == sum(arrived(s)[0] for s in snaps) and seen >= waits

@@ -32,14 +32,37 @@ SERIES = ("5.10", "6.1", "6.12")
 ROWS = ("host",) + SERIES
 SECONDS = 8.0                 # the victim's run in each mode
 GUEST_TIMEOUT_S = 1500.0
-# The victim's first waits happen before its shell moves it into its cgroup:
-# the reference follows it from its fork, the agent from its cgroup.
-BEFORE_CGROUP = 3
+# A wait in flight when the recording starts.
+SLACK = 1
 
 JOB = f"""cd {REPO}
 export PYTHONDONTWRITEBYTECODE=1 HOME=/root
 {sys.executable} -m tests.qemu.scene /run/results/result.json {SECONDS}
 """
+
+
+# A node with cgroup v1 only (Amazon Linux 2's default runs 5.10): the agent
+# refuses in one sentence, `check` and `run` alike, with no traceback.
+V1_JOB = f"""cd {REPO}
+export PYTHONDONTWRITEBYTECODE=1 HOME=/root
+scripts/setup.sh --host > /run/results/setup.log 2>&1
+{sys.executable} -m agent.cli.main check > /run/results/check.out 2> /run/results/check.err
+echo $? > /run/results/check.exit
+{sys.executable} -m agent.cli.main run --listen 127.0.0.1:0 > /run/results/run.out 2> /run/results/run.err
+echo $? > /run/results/run.exit
+"""
+
+
+def _v1_row(results: Path) -> dict:
+    try:
+        run = qemu.boot(qemu.fetch("5.10"), V1_JOB, results, cgroup_v1=True, timeout=GUEST_TIMEOUT_S)
+    except (qemu.GuestError, OSError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    out = {"boot_seconds": run.seconds}
+    for name in ("check.exit", "check.err", "run.exit", "run.out", "run.err"):
+        path = results / name
+        out[name] = path.read_text().strip() if path.is_file() else None
+    return out
 
 
 def _host_row(out: Path) -> dict:
@@ -52,8 +75,8 @@ def _guest_row(series: str, results: Path) -> dict:
     try:
         kernel = qemu.fetch(series)
         run = qemu.boot(kernel, JOB, results, timeout=GUEST_TIMEOUT_S)
-    except qemu.GuestError as e:
-        return {"error": str(e)}
+    except (qemu.GuestError, OSError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
     path = results / "result.json"
     if not path.is_file():
         return {"error": f"{kernel.release}: the scene wrote no result; its log: {run.log()[-3000:]}"}
@@ -74,13 +97,14 @@ def matrix(tmp_path_factory) -> dict[str, dict]:
     base = tmp_path_factory.mktemp("kernels")
     t0 = time.monotonic()
     rows = {"host": _host_row(base / "host.json")}
-    with ThreadPoolExecutor(len(SERIES)) as pool:
+    with ThreadPoolExecutor(len(SERIES) + 1) as pool:
         futures = {s: pool.submit(_guest_row, s, base / s) for s in SERIES}
+        futures["5.10 cgroup v1"] = pool.submit(_v1_row, base / "v1")
         rows |= {s: f.result() for s, f in futures.items()}
     elapsed = time.monotonic() - t0
     print(f"\nkernel matrix in {elapsed:.0f} s")
     for name, doc in rows.items():
-        print(summary(name, doc))
+        print(summary(name, doc) if name in ROWS else f"{name}: {doc}")
     return rows
 
 
@@ -89,7 +113,9 @@ def summary(name: str, doc: dict) -> str:
              f"({doc.get('seconds', 0):.0f} s in the scene)"]
     for row in doc.get("rows", []):
         a, r = (row.get("agent") or {}).get("runq", {}), row.get("reference", {})
-        lines.append(f"  {row['mode']}: agent {a.get('count')} waits {a.get('wait_seconds', 0):.4f} s "
+        b = row.get("agent_before") or {"count": 0, "wait_seconds": 0.0}
+        lines.append(f"  {row['mode']}: agent {a.get('count', 0) - b['count']} waits "
+                     f"{a.get('wait_seconds', 0) - b['wait_seconds']:.4f} s "
                      f"p99 {a.get('p99', 0) * 1e3:.2f} ms | reference {r.get('count')} waits "
                      f"{r.get('wait_seconds', 0):.4f} s p99 {(r.get('p99') or 0) * 1e3:.2f} ms gaps {r.get('gaps')}"
                      f" | map errors {sum(row.get('map_errors', {}).values()):.0f}, missing "
@@ -124,19 +150,31 @@ def judge_mode(name: str, row: dict) -> None:
     where = f"{name} {row['mode']}"
     assert "start_error" not in row, f"{where}: {row['start_error']}"
     assert row["agent"] is not None, f"{where}: the agent has no record of the victim"
-    runq, ref = row["agent"]["runq"], row["reference"]
+    runq, before, ref = row["agent"]["runq"], row["agent_before"], row["reference"]
+    count, wait = runq["count"] - before["count"], runq["wait_seconds"] - before["wait_seconds"]
     assert ref["count"] > 300, f"{where}: the victim hardly waited; the scene is broken: {ref}"
     # One for one, but for the waits no tracepoint showed (the reference
-    # counts them as gaps) and the victim's first waits outside its cgroup.
-    assert abs(runq["count"] - ref["count"]) <= ref["gaps"] + BEFORE_CGROUP, f"{where}: {runq} vs {ref}"
-    assert runq["wait_seconds"] == pytest.approx(ref["wait_seconds"], rel=0.05), where
+    # counts them as gaps). The victim's shell's waits before the recording
+    # (row["agent_before"]) are taken off; its P99 is over all its waits.
+    assert abs(count - ref["count"]) <= ref["gaps"] + SLACK, f"{where}: {count} waits ({runq}) vs {ref}"
+    assert wait == pytest.approx(ref["wait_seconds"], rel=0.05), where
     assert runq["p99"] == pytest.approx(ref["p99"], rel=0.05), where
     culprits = row["agent"]["blame"]["culprits"]
     hog = next((c for c in culprits if c["service"] == "hog"), None)
-    assert hog is not None and hog["share"] >= 0.25, f"{where}: the hog is not named: {culprits}"
-    if name != "host":   # nothing else runs in a guest
+    assert hog is not None and hog["share"] >= 0.1, f"{where}: the hog is not named: {culprits}"
+    if name != "host":   # nothing else runs in a guest; the host may be busy
         assert culprits[0]["service"] == "hog", f"{where}: {culprits}"
     assert sum(row["map_errors"].values()) == 0, f"{where}: {row['map_errors']}"
     assert row["waits_missing"] and sum(row["waits_missing"].values()) == 0, f"{where}: {row['waits_missing']}"
     assert row["readyz"]["status"] == 200, f"{where}: {row['readyz']}"
     assert row["stop_exit"] == 0, f"{where}: {row['log_tail']}"
+
+
+def test_a_cgroup_v1_only_node_is_refused_in_one_sentence(matrix: dict[str, dict]) -> None:
+    doc = matrix["5.10 cgroup v1"]
+    assert "error" not in doc, doc["error"]
+    for cmd in ("check", "run"):
+        assert doc[f"{cmd}.exit"] not in (None, "0"), doc
+        err = doc[f"{cmd}.err"] or ""
+        assert "Traceback" not in err, err
+        assert "cgroup v1 hierarchies only" in err and "systemd.unified_cgroup_hierarchy=1" in err, doc

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,9 +231,10 @@ def initramfs(kernel: Kernel) -> Path:
     entries += [("bin/busybox", 0o100755, BUSYBOX.read_bytes()), ("init", 0o100755, INIT.encode()),
                 ("modules.order", 0o100644, "".join(f"{n}\n" for n, _ in modules).encode())]
     entries += [(f"modules/{n}.ko", 0o100644, data) for n, data in modules]
-    tmp = path.with_suffix(".tmp")
+    # Guests of one kernel may boot at once: each writes its own file, the last rename wins.
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_bytes(_cpio(entries))
-    tmp.rename(path)
+    tmp.replace(path)
     return path
 
 
@@ -251,8 +253,9 @@ class GuestRun:
 def boot(kernel: Kernel, job: str, results: Path, *, cgroup_v1: bool = False, timeout: float = 900,
          cpus: int = 2, memory_mb: int = 2048) -> GuestRun:
     """Boot `kernel` and run the shell script `job` in the host's root
-    (chrooted, read-only), /run/results being `results`. Returns when the
-    guest powered off; GuestError when it did not within `timeout`."""
+    (chrooted, read-only), /run/results being `results`; with cgroup_v1 the
+    guest mounts cgroup v1 hierarchies only, as a v1-only node does. Returns
+    when the guest powered off; GuestError when it did not within `timeout`."""
     if shutil.which(QEMU) is None:
         raise GuestError(f"{QEMU} is missing: install qemu-system-x86 (make setup-test does)")
     results.mkdir(parents=True, exist_ok=True)
@@ -261,8 +264,7 @@ def boot(kernel: Kernel, job: str, results: Path, *, cgroup_v1: bool = False, ti
     console = results / "console.log"
     argv = [QEMU, "-accel", "tcg,thread=single", "-cpu", "max", "-smp", str(cpus), "-m", f"{memory_mb}M",
             "-kernel", str(kernel.vmlinuz), "-initrd", str(initramfs(kernel)),
-            "-append", "console=ttyS0 panic=-1 mitigations=off quiet"
-            + (" systemd.unified_cgroup_hierarchy=0 cgroup_no_v1=none" if cgroup_v1 else ""),
+            "-append", "console=ttyS0 panic=-1 mitigations=off quiet",
             "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
             "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
             "-fsdev", f"local,id=results,path={results},security_model=none,multidevs=remap",

@@ -87,3 +87,23 @@ def features_with(layout):
     from agent.probe.features import Features
 
     return Features(tracefs=None, states=None, cgroup2=None, task_layout=layout, raw_unavailable=None)
+
+
+def test_a_cgroup_v1_only_host_is_refused_with_the_fix():
+    """A v1-only host (Amazon Linux 2's default) has no cgroup v2 mount: one
+    sentence says why figures would be wrong there and what to boot with."""
+    mounts = ("cgroup /sys/fs/cgroup/cpu,cpuacct cgroup rw,nosuid,nodev,noexec,relatime,cpu,cpuacct 0 0\n"
+              "cgroup /sys/fs/cgroup/memory cgroup rw,nosuid,nodev,noexec,relatime,memory 0 0\n"
+              "cgroup /sys/fs/cgroup/systemd cgroup rw,nosuid,nodev,noexec,relatime,xattr,name=systemd 0 0\n")
+    text = features.cgroup_v1_only_problem(mounts)
+    assert text.startswith("no cgroup v2 hierarchy is mounted: this host places processes in cgroup v1 "
+                           "hierarchies only (cpu, cpuacct, memory)")
+    assert "systemd.unified_cgroup_hierarchy=1" in text and ". " not in text
+    assert "no cgroup hierarchy is mounted" in features.cgroup_v1_only_problem("")
+
+
+def test_kernels_before_5_8_are_refused_in_one_sentence():
+    assert features.kernel_version("5.10.0-46-amd64").ok
+    assert features.kernel_version("6.18.44-fc-v1147").ok
+    old = features.kernel_version("5.4.0-150-generic")
+    assert not old.ok and old.detail.startswith("kernel 5.4.0-150-generic is older than 5.8")
