@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import glob
 import math
+import os
 import reprlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import yaml
@@ -120,6 +121,9 @@ class Config:
     # Which tracepoints the programs attach to (agent/probe/loader.py
     # ATTACH_MODES); read at start-up only.
     attach_mode: str = "auto"
+    # The exporter-toolkit web configuration (TLS, client certificates, basic
+    # auth) of the API, /metrics and the OTLP receivers; --web-config-file wins.
+    web_config_file: str | None = None
 
     def histogram_globs(self) -> tuple[str, ...]:
         """Globs on the services whose histograms carry buckets: those an SLO
@@ -138,6 +142,8 @@ buckets_per_octave: 2  # histogram buckets exported per power of two: 1, 2 (43 b
                        # 4 keeps histogram_quantile within ~8% of the agent's quantile, at twice the series
 attach_mode: auto      # tracepoints the programs use: auto (raw where the kernel's BTF allows, else
                        # classic), raw or classic; read at start-up only
+web_config_file:       # TLS, client certificates and basic auth for the API, /metrics and the OTLP
+                       # receivers: node_exporter's --web.config.file format (relative to this file)
 histograms: []         # services whose histograms keep their buckets (globs on the service name, "*" for
                        # all), besides those with an SLO or named by a rule; others export _sum/_count only
 
@@ -179,7 +185,7 @@ otlp_relays: []
 """
 
 _TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "histograms", "services",
-             "slos", "request_spans", "otlp_relays")
+             "slos", "request_spans", "otlp_relays", "web_config_file")
 _REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
 _REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
@@ -221,7 +227,11 @@ def load_config(path: str | None) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(_yaml_error_sentence(path, e)) from None
-    return parse_config(data, path)
+    config = parse_config(data, path)
+    if config.web_config_file is not None and not os.path.isabs(config.web_config_file):
+        config = replace(config, web_config_file=os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                              config.web_config_file))
+    return config
 
 
 def parse_config(data: Any, source: str) -> Config:
@@ -280,7 +290,17 @@ def parse_config(data: Any, source: str) -> Config:
         request_spans=_request_spans(top.get("request_spans"), source),
         attach_mode=attach_mode,
         otlp_relays=parse_relays(_sequence(top, "otlp_relays", source), source, "otlp_relays"),
+        web_config_file=_web_config_file(top.get("web_config_file"), source),
     )
+
+
+def _web_config_file(value: Any, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{source}: web_config_file: expected the path of a web configuration file, "
+                          f"got {_short(value)}")
+    return value
 
 
 def parse_relays(items: list[Any], source: str, where: str) -> tuple[RelayRule, ...]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from agent.api.routes import AgentState, Api
 from agent.attribution.breaches import SloBreaches
 from agent.attribution.request_sched import EventSched, IntervalSched
-from agent.api.server import HttpServer, parse_listen, raise_fd_limit
+from agent.api.server import HttpServer
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.errors import SlatraceError
@@ -43,6 +43,9 @@ from agent.store.histogram import classic_bounds
 from agent.store.store import Store
 from agent.store.tally import WaitTally
 from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
+from agent.transport.access import WebAccess
+from agent.transport.server import parse_listen, raise_fd_limit
+from agent.transport.web_config import WebConfigError
 
 if TYPE_CHECKING:
     from agent.export.otlp import OtlpMetricsExporter
@@ -88,6 +91,7 @@ class RunOptions:
     config_path: str | None = None
     config_overrides: tuple[tuple[str, object], ...] = ()
     bpf_stats: str = "sampled"  # --bpf-stats: sampled (1 s a minute), always, off
+    web_config_file: str | None = None  # --web-config-file; else the config's web_config_file
 
 
 class Daemon:
@@ -130,6 +134,7 @@ class Daemon:
         self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
         self._slo_warnings = UnknownSloWarnings()
         self._server: HttpServer | None = None
+        self._access: WebAccess | None = None  # the web configuration (TLS, basic auth), if any
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
@@ -165,6 +170,7 @@ class Daemon:
             host, port = parse_listen(self.options.listen, "--listen")
         except ValueError as e:
             raise StartupError(str(e)) from None
+        self._access = self._load_web_config()
         # Prerequisites before binding anything: an unprivileged start must fail
         # on what matters, not on the port.
         try:
@@ -173,10 +179,10 @@ class Daemon:
             raise StartupError(str(e)) from None
         self._otlp_metrics = self._make_otlp_metrics()
         raise_fd_limit()
-        self._server = HttpServer(host, port, Api(self.state))
+        self._server = HttpServer(host, port, Api(self.state), access=self._access)
         self._server.start()
         self._servers.add(self._server)
-        log.info("listening on http://%s:%d", host, self._server.port)
+        log.info("listening on %s://%s:%d", self._server.scheme, host, self._server.port)
 
         from agent.probe.loader import Probe, attach_mode  # noqa: PLC0415  (imports bcc)
 
@@ -213,6 +219,26 @@ class Daemon:
         self._release_compiler_memory()
         self._collect_first_interval()
 
+    def _load_web_config(self) -> WebAccess | None:
+        """The web configuration, read whole before anything binds or compiles:
+        a bad file refuses the start with one sentence."""
+        path = getattr(self.options, "web_config_file", None) or self.config.web_config_file
+        if not path:
+            return None
+        try:
+            access = WebAccess(path)
+        except WebConfigError as e:
+            raise StartupError(f"bad web config: {e}") from None
+        self._servers.watch_access(access)
+        access.start()
+        log.info("web config %s: %s", path, access.describe())
+        return access
+
+    def reload_web_config(self) -> None:
+        """SIGHUP: read the web configuration again; safe in a signal handler."""
+        if self._access is not None:
+            self._access.request()
+
     def _collect_first_interval(self) -> None:
         """A short first interval: ready soon after attach, not one interval later."""
         if not self.stop_event.wait(min(FIRST_INTERVAL_S, self.config.interval)):
@@ -232,7 +258,8 @@ class Daemon:
                                   lambda: {r.name for r in self.config.services} | set(self.store.services()),
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
-                                  otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods)
+                                  otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods,
+                                  access=self._access)
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
             self._traces.start()
@@ -363,6 +390,8 @@ class Daemon:
         if self._server is not None:
             self._server.stop()
             self._server = None
+        if self._access is not None:
+            self._access.shutdown()
 
 
 class CollectionHealth:
@@ -422,6 +451,7 @@ def run(config: Config, options: RunOptions) -> int:
 
     def on_hangup(signum, frame) -> None:
         reloader.request()
+        daemon.reload_web_config()
 
     def on_usr1(signum, frame) -> None:
         daemon.sample_bpf_stats()

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from agent.api.server import ServerStats  # noqa: E402
+from agent.transport.server import ServerStats  # noqa: E402
 from agent.config import Slo  # noqa: E402
 from agent.export.figures import (  # noqa: E402
     CATALOG,
@@ -101,9 +101,12 @@ def trace_scrape_text() -> str:
 
 
 def server_scrape_text() -> str:
-    """The HTTP servers' own families (API and OTLP/HTTP), every label filled once."""
+    """The HTTP servers' own families (API and OTLP/HTTP) and the web
+    configuration's reloads, every label filled once."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(ServerCollector(SimpleNamespace(name="http", stats=ServerStats())))
+    servers = ServerCollector(SimpleNamespace(name="http", stats=ServerStats()))
+    servers.watch_access(SimpleNamespace(reloads=0, failures=0, last_ok=True))
+    registry.register(servers)
     return generate_latest(registry).decode()
 
 

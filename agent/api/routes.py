@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping
 from urllib.parse import parse_qs
@@ -16,46 +14,13 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.attribution.attribution import attribution
 from agent.config import Config
-from agent.errors import SlatraceError
 from agent.store.store import Store
+from agent.transport.response import (  # noqa: F401  (the API's helpers, re-exported)
+    QueryError, Response, error, finite_only, float_param, json_response, str_param)
 
 DEFAULT_SINCE_S = 60.0
 # What /metrics answers with: the text format 0.0.4 unless the scraper asks for OpenMetrics.
 CONTENT_TYPE_TEXT = CONTENT_TYPE_PLAIN_0_0_4
-
-
-@dataclass(frozen=True)
-class Response:
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    headers: tuple[tuple[str, str], ...] = ()
-    close: bool = False  # close the connection after answering
-
-
-def json_response(status: int, doc: dict) -> Response:
-    """Always valid JSON: a non-finite number (which json.dumps would write as
-    NaN or Infinity) becomes null."""
-    try:
-        text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
-    except ValueError:
-        text = json.dumps(finite_only(doc), separators=(",", ":"), allow_nan=False)
-    return Response(status, (text + "\n").encode())
-
-
-def finite_only(value):
-    """`value` with every NaN or infinite float replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_only(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_only(v) for v in value]
-    return value
-
-
-def error(status: int, message: str) -> Response:
-    return json_response(status, {"error": message})
 
 
 def wants_openmetrics(accept: str) -> bool:
@@ -162,25 +127,3 @@ class Api:
             if self.state.breaches_between is not None:
                 breaches = self.state.breaches_between(window.start, window.end)
         return json_response(200, attribution(window, self.state.config.slos, service, throttled, breaches))
-
-
-class QueryError(SlatraceError, ValueError):
-    pass
-
-
-def str_param(query: dict[str, list[str]], name: str) -> str | None:
-    values = query.get(name)
-    return values[-1] if values else None
-
-
-def float_param(query: dict[str, list[str]], name: str, default: float) -> float:
-    raw = str_param(query, name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise QueryError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise QueryError(f"{name} must be a positive number of seconds, got {raw}")
-    return value

@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a sender trusted to relay spans (an OpenTelemetry Collector): its spans' service comes "
                           "from the resource attributes it vouches for; keys service, cgroup (globs), pid, "
                           "k8s_namespace, k8s_service_account; repeatable; replaces the config's otlp_relays")
+    run.add_argument("--web-config-file", metavar="FILE",
+                     help="TLS, client certificates and basic auth for the API, /metrics and the OTLP receivers, "
+                          "in node_exporter's --web.config.file format; re-read when its files change or on "
+                          "SIGHUP (default: the config's web_config_file)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -120,7 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     options = RunOptions(listen=args.listen, otlp_grpc_listen=args.otlp_grpc_listen,
                          otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint,
                          otlp_protocol=args.otlp_protocol, config_path=args.config,
-                         config_overrides=tuple(overrides.items()), bpf_stats=args.bpf_stats)
+                         config_overrides=tuple(overrides.items()), bpf_stats=args.bpf_stats,
+                         web_config_file=args.web_config_file)
     return run(config, options)
 
 

@@ -21,17 +21,28 @@ from prometheus_client.registry import Collector
 from agent.export.figures import Family, MetricSpec, Point
 from agent.export.prometheus import to_metric
 
-__all__ = ["HTTP_CONNECTIONS", "HTTP_CONNECTIONS_OPEN", "SERVER_FAMILIES", "ServerCollector"]
+__all__ = ["HTTP_CONNECTIONS", "HTTP_CONNECTIONS_OPEN", "SERVER_FAMILIES", "WEB_CONFIG_OK", "WEB_CONFIG_RELOADS",
+           "ServerCollector"]
 
 HTTP_CONNECTIONS = MetricSpec(
     "slatrace_http_connections", "counter",
     "HTTP connections accepted and how requests or connections ended early (timeouts, evicted, resets, "
-    "malformed, errors); served counts requests answered.",
+    "malformed, errors, tls_failures, unauthorized); served counts requests answered.",
     ("server", "outcome"), "1", source="HTTP servers (API, OTLP/HTTP)")
 HTTP_CONNECTIONS_OPEN = MetricSpec(
     "slatrace_http_connections_open", "gauge", "HTTP connections open now.",
     ("server",), "1", source="HTTP servers (API, OTLP/HTTP)")
-SERVER_FAMILIES = (HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN)
+WEB_CONFIG_RELOADS = MetricSpec(
+    "slatrace_web_config_reloads", "counter",
+    "Reloads of the web configuration (TLS certificates, basic auth users) after its files changed or SIGHUP; "
+    "a failure keeps the settings in force.",
+    ("outcome",), "1", source="web configuration (--web-config-file)")
+WEB_CONFIG_OK = MetricSpec(
+    "slatrace_web_config_last_reload_successful", "gauge",
+    "1 if the web configuration's files loaded at the last look, 0 if they were refused (the previous "
+    "settings are still in force).",
+    (), "1", source="web configuration (--web-config-file)")
+SERVER_FAMILIES = (HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN, WEB_CONFIG_RELOADS, WEB_CONFIG_OK)
 
 
 class _Stats(Protocol):
@@ -45,6 +56,12 @@ class _Server(Protocol):
     stats: _Stats
 
 
+class _Access(Protocol):
+    reloads: int
+    failures: int
+    last_ok: bool
+
+
 class ServerCollector(Collector):
     """`slatrace_http_connections_total{server, outcome}` and the open count
     of every server added: each connection a server ended early is counted."""
@@ -52,6 +69,7 @@ class ServerCollector(Collector):
     def __init__(self, *servers: _Server) -> None:
         self._lock = threading.Lock()
         self._servers: list[_Server] = []
+        self._access: _Access | None = None
         for server in servers:
             self.add(server)
 
@@ -62,7 +80,11 @@ class ServerCollector(Collector):
                 raise ValueError(f"a server named {server.name!r} is already counted")
             self._servers.append(server)
 
-    def families(self) -> tuple[Family, Family]:
+    def watch_access(self, access: _Access) -> None:
+        """Count the reloads of the web configuration the servers use."""
+        self._access = access
+
+    def families(self) -> tuple[Family, ...]:
         with self._lock:
             servers = list(self._servers)
         total: list[Point] = []
@@ -72,7 +94,13 @@ class ServerCollector(Collector):
             total.append(Point((srv.name, "accepted"), st.accepted))
             total += [Point((srv.name, outcome), getattr(st, outcome)) for outcome in st.OUTCOMES]
             opened.append(Point((srv.name,), st.open))
-        return Family(HTTP_CONNECTIONS, tuple(total)), Family(HTTP_CONNECTIONS_OPEN, tuple(opened))
+        out = (Family(HTTP_CONNECTIONS, tuple(total)), Family(HTTP_CONNECTIONS_OPEN, tuple(opened)))
+        access = self._access
+        if access is not None:
+            out += (Family(WEB_CONFIG_RELOADS, (Point(("success",), access.reloads),
+                                                Point(("failure",), access.failures))),
+                    Family(WEB_CONFIG_OK, (Point((), 1.0 if access.last_ok else 0.0),)))
+        return out
 
     def collect(self) -> Iterator[Metric]:
         for family in self.families():

@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 from dataclasses import asdict
 
-from agent.api.routes import QueryError, Response, error, float_param, json_response, str_param
+from agent.transport.response import QueryError, Response, error, float_param, json_response, str_param
 from agent.config import RelayRule
 from agent.traces.metrics import TraceCounters
 from agent.traces.request_store import RequestStore

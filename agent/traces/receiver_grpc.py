@@ -17,6 +17,15 @@ The worker pool is bounded and so is the queue in front of it
 (maximum_concurrent_rpcs): past it grpcio answers RESOURCE_EXHAUSTED at once,
 which OTLP exporters retry, instead of queueing calls without end; those
 refusals are counted by an interceptor.
+
+With a web configuration, the port serves TLS from its tls_server_config
+(grpcio asks for the certificate again at each new handshake, so a rotated
+one serves the next connection; RequireAndVerifyClientCert makes it demand
+and verify a client certificate) and, when it has users, each call must carry
+`authorization: Basic ...` metadata (UNAUTHENTICATED otherwise), checked on
+the worker that serves the call. grpcio's Python API has no TLS version or
+cipher settings: min_version, max_version and cipher_suites apply to the HTTP
+servers only, and a reload cannot turn client certificates on or off here.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from agent.traces.identity import Peer, parse_grpc_peer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_protobuf
 from agent.traces.pipeline import Overloaded, RequestPipeline
+from agent.transport.access import WebAccess
 
 __all__ = ["GrpcReceiver", "TraceServiceHandler"]
 
@@ -43,13 +53,16 @@ GRPC_MAX_MESSAGE = 64 << 20
 
 
 class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, pipeline: RequestPipeline, counters: TraceCounters, limits: Limits) -> None:
+    def __init__(self, pipeline: RequestPipeline, counters: TraceCounters, limits: Limits,
+                 access: WebAccess | None = None) -> None:
         self._pipeline = pipeline
         self._counters = counters
         self._limits = limits
+        self._access = access
         self.local_port: int | None = None  # the port served, once bound: half of each connection's key
 
     def Export(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
+        self._check_credentials(context)
         try:
             request = next(requests, None)
         except grpc.RpcError:
@@ -82,6 +95,37 @@ class TraceServiceHandler(trace_service_pb2_grpc.TraceServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, "the agent failed to ingest the spans; see its log")
         return ExportTraceServiceResponse()
 
+    def _check_credentials(self, context: grpc.ServicerContext) -> None:
+        access = self._access
+        if access is None or not access.auth.required:
+            return
+        header = next((str(v) for k, v in context.invocation_metadata() if k == "authorization"), None)
+        if not access.auth.verify(header):
+            self._counters.add_rejected("grpc", "unauthorized")
+            said = "missing" if header is None else "wrong"
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"credentials {said}: send 'authorization: Basic ...' metadata")
+
+
+def server_credentials(access: WebAccess) -> grpc.ServerCredentials:
+    """TLS from the web configuration, asked for again at each handshake: a
+    reloaded certificate serves the next connection."""
+    served = [access.generation]
+
+    def configuration(tls):
+        return grpc.ssl_server_certificate_configuration([(tls.key_pem, tls.cert_pem)],
+                                                         root_certificates=tls.ca_pem)
+
+    def fetch():
+        if access.generation == served[0]:
+            return None  # unchanged
+        served[0] = access.generation
+        return configuration(access.config.tls)
+
+    tls = access.config.tls
+    return grpc.dynamic_ssl_server_credentials(configuration(tls), fetch,
+                                               require_client_authentication=tls.requires_client_cert)
+
 
 class _CountQueueFull(grpc.ServerInterceptor):
     """Counts the calls grpcio turns away because maximum_concurrent_rpcs
@@ -106,8 +150,9 @@ class _CountQueueFull(grpc.ServerInterceptor):
 
 class GrpcReceiver:
     def __init__(self, host: str, port: int, pipeline: RequestPipeline, counters: TraceCounters,
-                 limits: Limits = Limits(), workers: int = 4, max_queued: int = 64) -> None:
-        handler = TraceServiceHandler(pipeline, counters, limits)
+                 limits: Limits = Limits(), workers: int = 4, max_queued: int = 64,
+                 access: WebAccess | None = None) -> None:
+        handler = TraceServiceHandler(pipeline, counters, limits, access)
         queue_full = _CountQueueFull(counters)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otlp-grpc"),
@@ -126,8 +171,13 @@ class GrpcReceiver:
             response_serializer=ExportTraceServiceResponse.SerializeToString,
         )
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Export": rpc}),))
+        address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        self.tls = access is not None and access.config.tls is not None
         try:
-            self.port = self._server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+            if self.tls:
+                self.port = self._server.add_secure_port(address, server_credentials(access))
+            else:
+                self.port = self._server.add_insecure_port(address)
         except RuntimeError as e:
             raise OSError(f"cannot listen on {host}:{port} ({e})") from None
         if self.port == 0:  # grpcio reports a failed bind as port 0

@@ -15,8 +15,9 @@ from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from agent.api.routes import Response
-from agent.api.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
+from agent.transport.access import WebAccess
+from agent.transport.response import Response
+from agent.transport.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
 from agent.traces.identity import Peer
 from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import DecodeError, Limits, decode_body
@@ -28,8 +29,9 @@ log = logging.getLogger(__name__)
 
 TRACES_PATH = "/v1/traces"
 DRAIN_LIMIT = 64 << 20  # bytes of an oversized body read (and dropped) before answering 413
-_REASONS = {400: "malformed", 411: "no_length", 413: "too_large", 415: "unsupported", 503: "overloaded"}
-_GRPC_CODES = {400: 3, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13, 503: 14}  # google.rpc.Code
+_REASONS = {400: "malformed", 401: "unauthorized", 411: "no_length", 413: "too_large", 415: "unsupported",
+            503: "overloaded"}
+_GRPC_CODES = {400: 3, 401: 16, 411: 3, 413: 8, 415: 3, 404: 5, 405: 12, 500: 13, 503: 14}  # google.rpc.Code
 
 
 class OtlpHttpApp(HttpApp):
@@ -62,6 +64,9 @@ class OtlpHttpApp(HttpApp):
             return self._refuse(413, f"the body has {size} bytes, more than the limit of "
                                      f"{self.limits.max_body_bytes}; send smaller batches", wants_json, close=True)
         return None
+
+    def unauthorized(self, req: Request, message: str) -> Response:
+        return self._refuse(401, message, _wants_json(req))
 
     def handle(self, req: Request) -> Response:
         wants_json = _wants_json(req)
@@ -106,5 +111,6 @@ def _status(status: int, reason: str, wants_json: bool, close: bool = False,
 
 class HttpReceiver(BackgroundHTTPServer):
     def __init__(self, host: str, port: int, pipeline: RequestPipeline, counters: TraceCounters,
-                 limits: Limits = Limits(), server_limits: ServerLimits = ServerLimits()) -> None:
-        super().__init__(host, port, OtlpHttpApp(pipeline, counters, limits), "otlp-http", server_limits)
+                 limits: Limits = Limits(), server_limits: ServerLimits = ServerLimits(),
+                 access: WebAccess | None = None) -> None:
+        super().__init__(host, port, OtlpHttpApp(pipeline, counters, limits), "otlp-http", server_limits, access)

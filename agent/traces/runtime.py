@@ -26,6 +26,8 @@ from agent.traces.pipeline import RequestPipeline
 from agent.traces.pipeline import NEVER_WATCHED
 from agent.traces.request_store import RequestStore
 from agent.traces.servers import RequestRules, ServerProcesses
+from agent.transport.access import WebAccess
+from agent.transport.server import parse_listen
 
 __all__ = ["Traces", "parse_listen_or_off"]
 
@@ -36,8 +38,6 @@ SERVER_SCAN_S = 2.0
 
 
 def parse_listen_or_off(value: str | None, flag: str) -> tuple[str, int] | None:
-    from agent.api.server import parse_listen  # noqa: PLC0415
-
     if value is None or value.strip().lower() == "off":
         return None
     return parse_listen(value, flag)
@@ -58,6 +58,7 @@ class Traces:
         otlp_protocol: str | None = None,
         limits: Limits = Limits(),
         pods: PodIndex | None = None,
+        access: WebAccess | None = None,
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention, on_evict=self.counters.add_store_evicted)
@@ -79,6 +80,7 @@ class Traces:
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
         self._http_addr = parse_listen_or_off(http_listen, "--otlp-http-listen")
         self._limits = limits
+        self._access = access
         self.grpc = None
         self.http = None
 
@@ -99,18 +101,22 @@ class Traces:
         if self._grpc_addr is not None:
             from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415  (loads grpc: only when asked)
 
-            self.grpc = GrpcReceiver(*self._grpc_addr, self.pipeline, self.counters, self._limits)
+            self.grpc = GrpcReceiver(*self._grpc_addr, self.pipeline, self.counters, self._limits,
+                                     access=self._access)
             self.grpc.start()
-            log.info("OTLP/gRPC trace receiver on %s:%d", self._grpc_addr[0], self.grpc.port)
+            log.info("OTLP/gRPC trace receiver on %s:%d%s", self._grpc_addr[0], self.grpc.port,
+                     " (TLS)" if self.grpc.tls else "")
         if self._http_addr is not None:
             from agent.traces.receiver_http import HttpReceiver  # noqa: PLC0415
 
             try:
-                self.http = HttpReceiver(*self._http_addr, self.pipeline, self.counters, self._limits)
+                self.http = HttpReceiver(*self._http_addr, self.pipeline, self.counters, self._limits,
+                                         access=self._access)
             except OSError as e:
                 raise OSError(f"cannot listen on {self._http_addr[0]}:{self._http_addr[1]} ({e.strerror})") from None
             self.http.start()
-            log.info("OTLP/HTTP trace receiver on http://%s:%d/v1/traces", self._http_addr[0], self.http.port)
+            log.info("OTLP/HTTP trace receiver on %s://%s:%d/v1/traces", self.http.scheme, self._http_addr[0],
+                     self.http.port)
 
     def pin_servers(self) -> None:
         """Stream the services running a known inference server (or named in

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agent.api.routes import Response
-from agent.api.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
+from agent.transport.server import BackgroundHTTPServer, HttpApp, Request, ServerLimits
 from tests.support.agent import REPO
 
 
@@ -91,12 +91,12 @@ def test_past_the_connection_limit_the_longest_waiting_client_makes_room(server)
 
 
 def test_a_client_reset_is_at_most_one_quiet_line(server, caplog):
-    caplog.set_level(logging.DEBUG, logger="agent.api.server")
+    caplog.set_level(logging.DEBUG, logger="agent.transport.server")
     attack("resets", "--port", str(server.port), "--clients", "50")
     deadline = time.monotonic() + 5
     while server.stats.resets + server.stats.timeouts < 50 and time.monotonic() < deadline:
         time.sleep(0.05)
-    records = [r for r in caplog.records if r.name == "agent.api.server"]
+    records = [r for r in caplog.records if r.name == "agent.transport.server"]
     assert len(records) <= 50
     assert all(r.levelno <= logging.DEBUG and r.exc_info is None for r in records)
     assert server.stats.resets == 50
@@ -152,8 +152,11 @@ def test_api_answers_other_methods_with_json_405(tmp_path):
             assert head.startswith(b"HTTP/1.1 405"), out
             assert b"Allow: GET, HEAD" in head
             assert "read-only" in json.loads(body)["error"]
-        out = raw(srv.port, b"BREW / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        out = raw(srv.port, b"BREW / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 405")
+        # HTTP/1.1 without Host is malformed (RFC 9112, 3.2): 400, as h11 judges it.
+        out = raw(srv.port, b"GET /livez HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 400")
         out = raw(srv.port, b"garbage\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 400") and json.loads(out.partition(b"\r\n\r\n")[2])
         # Keep-alive: two requests on one connection, the second closes it.
@@ -175,7 +178,7 @@ def test_one_client_cannot_hold_more_than_its_share(server):
             hold.append(s)
         # Another client address on the loopback still gets in, and is not evicted.
         with socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0)) as other:
-            other.sendall(b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
+            other.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert other.recv(100).startswith(b"HTTP/1.1 200")
         deadline = time.monotonic() + 5
         while (server.stats.evicted < 60 or server.stats.open > 40) and time.monotonic() < deadline:
@@ -214,7 +217,7 @@ def test_health_probes_do_not_queue_behind_busy_workers():
             stuck.append(s)
         time.sleep(0.2)
         t0 = time.monotonic()
-        out = raw(srv.port, b"GET /readyz HTTP/1.1\r\nConnection: close\r\n\r\n")
+        out = raw(srv.port, b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         took = time.monotonic() - t0
         assert out.startswith(b"HTTP/1.1 200") and took < 1.0, took
     finally:

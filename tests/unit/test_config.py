@@ -132,7 +132,7 @@ def test_results_are_frozen() -> None:
             "intervall: 2",
             "config.yaml: unknown key 'intervall' "
             "(known keys: interval, retention, max_services, buckets_per_octave, attach_mode, histograms, services, "
-            "slos, request_spans, otlp_relays)",
+            "slos, request_spans, otlp_relays, web_config_file)",
         ),
         (
             "services:\n  - name: a\n    comm: x\n  - name: b\n    cgroup: 3\n",

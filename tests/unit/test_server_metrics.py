@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 
-from agent.api.server import ServerStats
+from agent.transport.server import ServerStats
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.export.servers import ServerCollector
 from agent.store.store import Store
