@@ -19,6 +19,7 @@ from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
+from agent.traces.engines import EngineScraper, engine_routes
 from agent.traces.identity import SpanServices, ThisHost
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits
@@ -75,6 +76,8 @@ class Traces:
             self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules))
         self._sched = sched
         self.servers = ServerProcesses(cgroups, service_of, spans.servers, spans.watch)
+        # The engines found by the scan serve their own latency histograms: read beside ours.
+        self.engines = EngineScraper(lambda: self.servers.engines, retention_s=config.retention)
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
@@ -85,7 +88,8 @@ class Traces:
         self.http = None
 
     def routes(self) -> dict:
-        return request_routes(self.store, self.counters, lambda: self.span_services.relays)
+        return {**request_routes(self.store, self.counters, lambda: self.span_services.relays),
+                **engine_routes(self.engines, self.store)}
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(TraceCollector(self.counters))
@@ -97,6 +101,7 @@ class Traces:
         self.pin_servers()
         self._scan_thread = threading.Thread(target=self._scan_loop, name="request-servers", daemon=True)
         self._scan_thread.start()
+        self.engines.start()
         self.pipeline.start()
         if self._grpc_addr is not None:
             from agent.traces.receiver_grpc import GrpcReceiver  # noqa: PLC0415  (loads grpc: only when asked)
@@ -132,6 +137,7 @@ class Traces:
 
     def close(self) -> None:
         self._stop.set()
+        self.engines.shutdown()
         if self._scan_thread is not None:
             self._scan_thread.join(timeout=2.0)
             self._scan_thread = None

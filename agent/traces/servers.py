@@ -47,6 +47,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from agent.config import REQUEST_SERVERS, RequestSpanRule
 from agent.identity.cgroups import CgroupPaths
+from agent.traces.engine_metrics import engine_url
 from agent.traces.identity import cgroup_v2_path
 from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, request_span
 
@@ -164,14 +165,18 @@ class ServerProcesses:
         self._named = frozenset(named)
         self._proc = Path(proc_root)
         self._seen: set[tuple[int, str]] = set()
+        # service -> where its engine serves its own metrics (vLLM's /metrics), from the last scan
+        self.engines: dict[str, str] = {}
 
     def services(self) -> set[str]:
         found = set(self._named)
+        engines: dict[str, str] = {}
         for entry in self._proc.iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                server = is_server_cmdline((entry / "cmdline").read_bytes(), self._servers)
+                cmdline = (entry / "cmdline").read_bytes()
+                server = is_server_cmdline(cmdline, self._servers)
                 if server is None:
                     continue
                 path = cgroup_v2_path((entry / "cgroup").read_text())
@@ -182,10 +187,14 @@ class ServerProcesses:
                 continue
             service = self._service_of(cgid)
             found.add(service)
+            url = engine_url(cmdline.rstrip(b"\0").decode("utf-8", "replace").split("\0")) if server == "vllm" else None
+            if url is not None:
+                engines.setdefault(service, url)
             if (int(entry.name), service) not in self._seen:
                 if len(self._seen) > 10_000:
                     self._seen.clear()  # pids churn; only the log line depends on it
                 self._seen.add((int(entry.name), service))
                 log.info("%s server (pid %s) found: streaming service %s's scheduler events from now on",
                          server, entry.name, service)
+        self.engines = engines
         return found

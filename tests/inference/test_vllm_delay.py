@@ -53,6 +53,7 @@ CONCURRENT_ROUNDS = 2
 PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
            "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 REL, ABS = 0.30, 0.020           # the counterfactual's tolerance
+WARM_UP = 3
 
 
 def wait_for_requests(agent: Agent, wanted: set[str], timeout: float = 60.0) -> dict[str, dict]:
@@ -90,6 +91,20 @@ class ThreadCensus:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def wait_for_engine(agent: Agent, requests: int, after: float = 0.0, timeout: float = 30.0) -> dict:
+    """/api/v1/engines once the engine's histograms hold every request sent,
+    from a scrape taken after `after` (Unix seconds; it is scraped every 5 s)."""
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while time.monotonic() < deadline:
+        doc = agent.get_json(f"/api/v1/engines?service={SERVICE}&since=3600")
+        counts = [e["latency"].get("e2e", {}).get("count") for e in doc["engines"]]
+        if counts and counts[0] is not None and counts[0] >= requests and doc["engines"][0]["end"] > after:
+            break
+        time.sleep(1.0)
+    return doc
 
 
 def thread_names(cgroup: TestCgroup) -> dict[int, tuple[int, str, str]]:
@@ -193,8 +208,10 @@ def scene(tmp_path_factory):
                 Engine(infer, model, f"http://127.0.0.1:{grpc_port}", tmp / "vllm.log",
                        on_spawn=own_weight.add) as engine:
             timings["engine_startup_s"] = engine.startup_s
-            for i in range(3):  # warm-up: first requests compile and allocate
+            for i in range(WARM_UP):  # first requests compile and allocate
                 engine.complete(PROMPTS[i], MAX_TOKENS)
+            # Scraped once after the warm-up, before the requests that count: none straddles the window's start.
+            wait_for_engine(agent, 0, after=time.time() + 0.2)
             # The neighbour shares the CPUs vLLM pins its model worker to.
             cpus = sorted(os.sched_getaffinity(next(tid for tid, (_, process, _) in thread_names(infer).items()
                                                     if process == "VLLM::Worker")))
@@ -207,6 +224,7 @@ def scene(tmp_path_factory):
             got = wait_for_requests(agent, {r["request_id"] for r in requests})
             missing = [r["request_id"] for r in requests if r["request_id"] not in got]
             assert not missing, f"requests never attributed: {missing[:5]}; agent log: {agent.output()[-2000:]}"
+            engines = wait_for_engine(agent, len(requests))
             one = max((r for r in requests if r["mode"] == "with"), key=lambda r: got[r["request_id"]]["e2e"])
             explain = subprocess.run(SLATRACE + ["explain", one["request_id"], "--agent", agent.url], cwd=REPO,
                                      capture_output=True, text=True, timeout=30)
@@ -220,7 +238,7 @@ def scene(tmp_path_factory):
         occupancy = cpu_occupancy(rec.events)
         yield {"requests": requests, "docs": got, "names": names, "ref": ref, "offset_ns": offset_ns,
                "explain": explain, "listing": listing, "timings": timings,
-               "occupancy": occupancy, "vllm_tids": ref.tids}
+               "occupancy": occupancy, "vllm_tids": ref.tids, "engines": engines, "engine_url": engine.url}
 
 
 def clipped_waits(ref, lo: int, hi: int) -> dict[int, list[tuple[int, int]]]:
@@ -439,3 +457,23 @@ def test_explain_and_the_listing_show_the_delay(scene):
     assert "run-queue wait by process and thread" in explain.stdout and "VLLM::EngineCor" in explain.stdout
     assert listing.returncode == 0 and "delay" in listing.stdout, listing.stderr
     print(f"engine up in {scene['timings']['engine_startup_s']:.1f} s")
+
+
+def test_the_engines_own_histograms_beside_the_delay(scene):
+    """The agent finds the engine's metrics from its command line and reads
+    its histograms under the engine's names; over the same window they count
+    the same requests as the spans, with the same mean latency."""
+    [engine] = scene["engines"]["engines"]
+    assert engine["url"] == scene["engine_url"] + "/metrics"
+    latency, requests = engine["latency"], engine["requests"]
+    assert latency["e2e"]["metric"] == "vllm:e2e_request_latency_seconds"
+    assert latency["ttft"]["metric"] == "vllm:time_to_first_token_seconds"
+    assert {"inter_token", "queue", "prefill", "decode"} <= set(latency)
+    docs = [d for d in scene["docs"].values() if engine["start"] <= d["end"] <= engine["end"]]
+    assert latency["e2e"]["count"] == requests["count"] == len(docs) >= len(scene["requests"])
+    print("\nover the window: engine e2e " + ", ".join(f"{q} {latency['e2e'][q]:.3f} s" for q in ("p50", "p95", "p99"))
+          + f"; spans e2e p50 {requests['e2e']['p50']:.3f} s; CPU delay p50 {requests['delay']['p50']:.3f} s, "
+          f"p95 {requests['delay']['p95']:.3f} s; engine ttft p50 {latency['ttft']['p50']:.3f} s")
+    # The engine's mean is its exact sum over its count: the spans' own figures of the same requests.
+    assert latency["e2e"]["mean"] == pytest.approx(statistics.mean(d["e2e"] for d in docs), rel=0.02)
+    assert latency["ttft"]["mean"] == pytest.approx(statistics.mean(d["ttft"] for d in docs), rel=0.02)

@@ -219,6 +219,8 @@ def test_server_processes_are_found_and_named_services_kept(tmp_path):
     names = {7: "vllm", 8: "user", 9: "triton"}
     found = ServerProcesses(Cgroups(), names.__getitem__, ("vllm",), ("batch-api",), proc_root=tmp_path)
     assert found.services() == {"vllm", "batch-api"}   # triton is not an enabled preset
+    # Where the engine serves its own metrics: from `vllm serve`'s command line (port 8000 by default).
+    assert found.engines == {"vllm": "http://127.0.0.1:8000/metrics"}
     assert ServerProcesses(Cgroups(), names.__getitem__, ("vllm", "triton"), proc_root=tmp_path).services() == \
         {"vllm", "triton"}
 
