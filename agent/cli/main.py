@@ -9,6 +9,7 @@ import os
 import sys
 
 from agent import __version__
+from agent.cli.client import add_credential_flags, credentials_from, use_credentials
 from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
 from agent.errors import SlatraceError
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--since", type=float, default=10.0, metavar="SECONDS",
                      help="figures over the last SECONDS (default %(default)s)")
     top.add_argument("--agent", default=DEFAULT_AGENT, metavar="URL", help="agent address (default %(default)s)")
+    add_credential_flags(top)
     add_request_commands(sub, _client_flags)
     return p
 
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", default=DEFAULT_AGENT, metavar="URL", help="agent address (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the API's JSON document")
+    add_credential_flags(p)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -203,6 +206,8 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "services": cmd_services, "attri
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "ca_file"):
+            use_credentials(credentials_from(args))
         return COMMANDS[args.command](args)
     except SlatraceError as e:
         print(f"slatrace: error: {e}", file=sys.stderr)

@@ -42,8 +42,10 @@ class PrometheusQuery:
         query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
         url = f"{self.url}/api/v1/query?{query}"
         try:
-            doc = fetch_json(url, self.timeout)
+            doc = fetch_json(url, self.timeout, what=f"Prometheus at {self.url}")
         except FetchError as e:
+            if e.sentence:
+                raise PrometheusError(e.sentence) from None
             if e.not_json:
                 raise PrometheusError(f"Prometheus at {self.url} did not answer JSON; is it a Prometheus "
                                       "server?") from None

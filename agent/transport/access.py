@@ -112,6 +112,7 @@ class WebAccess:
         self.last_ok = True
         self.last_ok_time = time.time()
         self._stamps = _stamps(self.config.files)
+        self._pending: tuple | None = None  # stamps seen changed at the last look
         self._wanted = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,7 +159,16 @@ class WebAccess:
             return True
 
     def changed(self) -> bool:
-        return _stamps(self.config.files) != self._stamps
+        """True once the files differ from those loaded and have stayed the
+        same for one look: a certificate and its key written one after the
+        other are read together, not half-way."""
+        now = _stamps(self.config.files)
+        if now == self._stamps:
+            self._pending = None
+            return False
+        settled = now == self._pending
+        self._pending = now
+        return settled
 
     def request(self) -> None:
         """Safe inside a signal handler: sets a flag, nothing else."""

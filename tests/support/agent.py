@@ -85,14 +85,16 @@ class Agent:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"slatrace exited with {self.proc.returncode}: {self.output()}")
             try:
-                status, _ = http_get(self.url + "/readyz", timeout=1.0)
-                if status == 200:
+                if self.ready_now():
                     self.ready_after = time.monotonic() - self.started_at
                     return
             except OSError:
                 pass
             time.sleep(0.05)
         raise TimeoutError(f"slatrace not ready after {timeout} s")
+
+    def ready_now(self) -> bool:
+        return http_get(self.url + "/readyz", timeout=1.0)[0] == 200
 
     def get_json(self, path: str) -> dict:
         status, body = http_get(self.url + path)
