@@ -143,9 +143,8 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
         waited = cut.get(name)
         if waited is not None and waited["delay_seconds"] > 0:
             top = waited["delay_by"][0]["service"] if waited["delay_by"] else None
-            rows.append((f"  waited for a CPU{f' ({top})' if top else ''}",
-                         _bar(offset, waited["delay_seconds"], e2e, "red", width),
-                         fmt_seconds(waited["delay_seconds"])))
+            rows.append(("  of it, CPU wait", _bar(offset, waited["delay_seconds"], e2e, "red", width),
+                         fmt_seconds(waited["delay_seconds"]) + (f" {top}" if top else "")))
         offset += value
     ttft = doc.get("ttft")
     if ttft is not None:

@@ -164,3 +164,23 @@ def test_the_delay_of_each_phase():
                                    "delay_seconds": pytest.approx(0.020, abs=2e-6),
                                    "delay_by": [{"service": "batch", "seconds": pytest.approx(0.0175, abs=2e-6)},
                                                 {"service": "idle", "seconds": pytest.approx(0.0025, abs=2e-6)}]}
+
+
+def test_explain_draws_each_phases_cpu_wait_under_it():
+    from agent.cli.requests import timeline
+
+    doc = {"service": "vllm", "e2e": 1.0, "ttft": 0.2, "phases": {"queue": 0.01, "prefill": 0.19, "decode": 0.8},
+           "sched": {"delay_seconds": 0.5, "delay_by": [{"service": "batch", "seconds": 0.4},
+                                                        {"service": "idle", "seconds": 0.1}],
+                     "phases": [{"phase": "prefill", "start": 0.01, "end": 0.2, "delay_seconds": 0.1,
+                                 "delay_by": [{"service": "idle", "seconds": 0.1}]},
+                                {"phase": "decode", "start": 0.2, "end": 1.0, "delay_seconds": 0.4,
+                                 "delay_by": [{"service": "batch", "seconds": 0.4}]}]}}
+    rows = [(label, duration) for label, _, duration in timeline(doc, width=10)]
+    assert rows == [("end to end", "1.00 s"), ("queue", "10 ms"), ("prefill", "0.19 s"),
+                    ("  of it, CPU wait", "0.10 s idle"), ("decode", "0.80 s"), ("  of it, CPU wait", "0.40 s batch"),
+                    ("first token", "0.20 s"), ("waited for a CPU", "0.50 s"), ("  batch", "0.40 s"),
+                    ("  idle CPU (wake-up)", "0.10 s")]
+    # The decode's wait is drawn where the decode is: from 20% of the way.
+    bar = timeline(doc, width=10)[5][1]
+    assert bar.plain == "··████····"
