@@ -174,7 +174,8 @@ class TraceCollector(Collector):
             spans.add_metric([transport], n)
         yield spans
         refused = CounterMetricFamily("slatrace_otlp_rejected_requests", "OTLP export requests refused, by "
-                                      "reason (malformed, too_large, unsupported, overloaded; gRPC also not_received: "
+                                      "reason (malformed, too_large, unsupported, overloaded, unauthorized; gRPC "
+                                      "also not_received: "
                                       "refused by grpcio above its 64 MiB limit or cancelled before the message, and "
                                       "queue_full: past the calls running or queued).", labels=["transport", "reason"])
         for (transport, reason), n in sorted(rejected.items()):

@@ -168,11 +168,15 @@ def test_host_access(daemonset: dict[str, Any], container: dict[str, Any]):
 
 
 def test_probes_on_the_agent_port(container: dict[str, Any]):
+    from agent.api.server import PROBES
+
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": AGENT_PORT, "otlp-grpc": 4317, "otlp-http": 4318}
     for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/livez")):
         get = container[probe]["httpGet"]
         assert get["path"] == path
+        # The kubelet sends no credentials: the probes are what the agent serves without them.
+        assert path in PROBES and "httpHeaders" not in get
         port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
         assert port == AGENT_PORT
 

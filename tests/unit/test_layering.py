@@ -64,6 +64,12 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert levels["agent.attribution"] < levels["agent.export"] < levels["agent.daemon"] < levels["agent.cli"]
     assert levels["agent.identity"] < levels["agent.config"] < levels["agent.attribution"]
     assert levels["agent.attribution"] < levels["agent.traces"]
+    # The transport (HTTP/TLS/auth) is a floor of its own under both apps that
+    # serve HTTP; neither reaches into the other for it.
+    graph = package_graph()
+    assert graph["agent.transport"] <= {"agent.errors"}
+    assert levels["agent.transport"] < min(levels["agent.api"], levels["agent.traces"])
+    assert "agent.api" not in graph["agent.traces"] and "agent.traces" not in graph["agent.api"]
 
 
 def test_a_cycle_is_named():
