@@ -96,7 +96,7 @@ def run_mode(mode: str, seconds: float) -> dict:
                                       "taskset", "-c", str(SHARED_CPU),
                                       *victim_argv(seconds, sleep_ms=2.0, work_ms=0.5)], stdin=subprocess.PIPE)
             _wait_blocked_in(victim_cg, victim.pid)
-            time.sleep(3 * INTERVAL)
+            _wait_collections(agent, 2)
             before = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
             row["agent_before"] = before[0]["runq"] if before else {"count": 0, "wait_seconds": 0.0}
             with TraceRecorder() as rec:
@@ -104,7 +104,7 @@ def run_mode(mode: str, seconds: float) -> dict:
                 victim.stdin.close()
                 wait_zombie(victim.pid, timeout=seconds * 4 + 60)
                 tids = {int(t) for t in os.listdir(f"/proc/{victim.pid}/task")}
-                time.sleep(4 * INTERVAL)  # the victim's last waits are collected
+                _wait_collections(agent, 2)  # the victim's last waits are collected
                 records = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
                 status, body = agent_get(agent, "/metrics")
                 readyz = agent_get(agent, "/readyz")
@@ -137,6 +137,21 @@ def _wait_blocked_in(cgroup: TestCgroup, pid: int, timeout: float = 60.0) -> Non
     raise TimeoutError(f"the victim {pid} did not block in {cgroup.path}")
 
 
+def _wait_collections(agent: Agent, n: int, timeout: float = 120.0) -> None:
+    """Until the agent has collected n more intervals: under the emulator a
+    collection can fall a few intervals behind the clock."""
+    def collected() -> float:
+        status, body = agent_get(agent, "/metrics")
+        values = _metric_values(body.decode(errors="replace"), "slatrace_intervals_collected_total")
+        return next(iter(values.values()), 0.0) if status == 200 else 0.0
+
+    start, deadline = collected(), time.monotonic() + timeout
+    while collected() < start + n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the agent collected no {n} intervals in {timeout:.0f} s")
+        time.sleep(INTERVAL / 2)
+
+
 def agent_get(agent: Agent, path: str) -> tuple[int, bytes]:
     from tests.support.agent import http_get
 
@@ -144,6 +159,9 @@ def agent_get(agent: Agent, path: str) -> tuple[int, bytes]:
 
 
 def main(argv: list[str]) -> int:
+    # This process, its trace readers and the agent (which inherits it) stay
+    # off the shared CPU: there the victim waits behind the hog alone.
+    os.sched_setaffinity(0, {cpu for cpu in os.sched_getaffinity(0) if cpu != SHARED_CPU})
     out = Path(argv[1])
     seconds = float(argv[2]) if len(argv) > 2 else 8.0
     doc: dict = {"kernel": platform.release(), "cpus": os.cpu_count(), "rows": []}

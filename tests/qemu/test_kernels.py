@@ -32,9 +32,12 @@ SERIES = ("5.10", "6.1", "6.12")
 ROWS = ("host",) + SERIES
 SECONDS = 8.0                 # the victim's run in each mode
 GUEST_TIMEOUT_S = 1500.0
-# A wait in flight when the recording starts.
+# The victim's wake-up at the go: the reference starts with every task
+# unknown and ignores a plain wakeup of one, as the programs do; they knew it.
 SLACK = 1
 
+# The checkout and the interpreter's venv, which a CI clone may keep in /tmp.
+KEEP = (REPO, Path(sys.prefix))
 JOB = f"""cd {REPO}
 export PYTHONDONTWRITEBYTECODE=1 HOME=/root
 {sys.executable} -m tests.qemu.scene /run/results/result.json {SECONDS}
@@ -55,7 +58,7 @@ echo $? > /run/results/run.exit
 
 def _v1_row(results: Path) -> dict:
     try:
-        run = qemu.boot(qemu.fetch("5.10"), V1_JOB, results, cgroup_v1=True, timeout=GUEST_TIMEOUT_S)
+        run = qemu.boot(qemu.fetch("5.10"), V1_JOB, results, cgroup_v1=True, keep=KEEP, timeout=GUEST_TIMEOUT_S)
     except (qemu.GuestError, OSError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
     out = {"boot_seconds": run.seconds}
@@ -74,7 +77,7 @@ def _host_row(out: Path) -> dict:
 def _guest_row(series: str, results: Path) -> dict:
     try:
         kernel = qemu.fetch(series)
-        run = qemu.boot(kernel, JOB, results, timeout=GUEST_TIMEOUT_S)
+        run = qemu.boot(kernel, JOB, results, keep=KEEP, timeout=GUEST_TIMEOUT_S)
     except (qemu.GuestError, OSError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
     path = results / "result.json"
@@ -161,7 +164,9 @@ def judge_mode(name: str, row: dict) -> None:
     assert runq["p99"] == pytest.approx(ref["p99"], rel=0.05), where
     culprits = row["agent"]["blame"]["culprits"]
     hog = next((c for c in culprits if c["service"] == "hog"), None)
-    assert hog is not None and hog["share"] >= 0.1, f"{where}: the hog is not named: {culprits}"
+    # On the host other work may share the CPU (helpers, CI's own processes).
+    assert hog is not None and hog["share"] >= (0.05 if name == "host" else 0.25), \
+        f"{where}: the hog is not named: {culprits}"
     if name != "host":   # nothing else runs in a guest; the host may be busy
         assert culprits[0]["service"] == "hog", f"{where}: {culprits}"
     assert sum(row["map_errors"].values()) == 0, f"{where}: {row['map_errors']}"

@@ -190,13 +190,18 @@ mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $(cat /modules.order); do insmod /modules/$m.ko || echo "init: insmod $m failed"; done
-mkdir -p /newroot
+mkdir -p /newroot /host /results
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144,cache=loose hostroot /newroot \
     || { echo "init: cannot mount the host root"; poweroff -f; }
+mount --bind /newroot /host
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 results /results
 for d in proc sys dev; do mount --move /$d /newroot/$d; done
 for d in tmp run var/tmp root var/log lib/modules; do mount -t tmpfs tmpfs /newroot/$d; done
 mkdir -p /newroot/run/results
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 results /newroot/run/results
+mount --move /results /newroot/run/results
+# What the job needs from under a scratch directory (a checkout in /tmp):
+# the host's own directory, bound back over the guest's empty one.
+for p in $(cat /newroot/run/results/keep); do mkdir -p /newroot$p && mount --bind /host$p /newroot$p; done
 mount -t devpts devpts /newroot/dev/pts 2>/dev/null
 mount -t tmpfs tmpfs /newroot/dev/shm 2>/dev/null
 mount -t tracefs nodev /newroot/sys/kernel/tracing
@@ -227,7 +232,7 @@ def initramfs(kernel: Kernel) -> Path:
     if not BUSYBOX.is_file():
         raise GuestError(f"{BUSYBOX} is missing: install busybox-static (make setup-test does)")
     modules = _needed(kernel)
-    entries = [(d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "modules", "newroot")]
+    entries = [(d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "modules", "newroot", "host", "results")]
     entries += [("bin/busybox", 0o100755, BUSYBOX.read_bytes()), ("init", 0o100755, INIT.encode()),
                 ("modules.order", 0o100644, "".join(f"{n}\n" for n, _ in modules).encode())]
     entries += [(f"modules/{n}.ko", 0o100644, data) for n, data in modules]
@@ -250,17 +255,21 @@ class GuestRun:
         return p.read_text(errors="replace") if p.is_file() else ""
 
 
-def boot(kernel: Kernel, job: str, results: Path, *, cgroup_v1: bool = False, timeout: float = 900,
-         cpus: int = 2, memory_mb: int = 2048) -> GuestRun:
+def boot(kernel: Kernel, job: str, results: Path, *, cgroup_v1: bool = False, keep: tuple[Path, ...] = (),
+         timeout: float = 900, cpus: int = 2, memory_mb: int = 2048) -> GuestRun:
     """Boot `kernel` and run the shell script `job` in the host's root
     (chrooted, read-only), /run/results being `results`; with cgroup_v1 the
-    guest mounts cgroup v1 hierarchies only, as a v1-only node does. Returns
+    guest mounts cgroup v1 hierarchies only, as a v1-only node does. The
+    guest has scratch tmpfs over /tmp, /run, /var/tmp, /root and /var/log:
+    `keep` names directories there it must see as the host has them (the
+    checkout, when it lies in /tmp). Returns
     when the guest powered off; GuestError when it did not within `timeout`."""
     if shutil.which(QEMU) is None:
         raise GuestError(f"{QEMU} is missing: install qemu-system-x86 (make setup-test does)")
     results.mkdir(parents=True, exist_ok=True)
     (results / "job.sh").write_text(job)
     (results / "cgroups").write_text("cgroup-v1\n" if cgroup_v1 else "cgroup-v2\n")
+    (results / "keep").write_text("".join(f"{Path(p).resolve()}\n" for p in keep))
     console = results / "console.log"
     argv = [QEMU, "-accel", "tcg,thread=single", "-cpu", "max", "-smp", str(cpus), "-m", f"{memory_mb}M",
             "-kernel", str(kernel.vmlinuz), "-initrd", str(initramfs(kernel)),

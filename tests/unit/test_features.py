@@ -107,3 +107,16 @@ def test_kernels_before_5_8_are_refused_in_one_sentence():
     assert features.kernel_version("6.18.44-fc-v1147").ok
     old = features.kernel_version("5.4.0-150-generic")
     assert not old.ok and old.detail.startswith("kernel 5.4.0-150-generic is older than 5.8")
+
+
+def test_an_attach_mode_the_kernel_cannot_do_is_refused_in_one_sentence():
+    from agent.probe import loader
+    from agent.probe.features import Features
+
+    no_btf = Features(tracefs=None, states=None, cgroup2=None, task_layout=None,
+                      raw_unavailable="cannot read the kernel's BTF at /sys/kernel/btf/vmlinux (No such file)")
+    assert loader.attach_mode(no_btf, "auto") == loader.attach_mode(no_btf, "classic") == "classic"
+    with pytest.raises(ValueError) as e:
+        loader.attach_mode(no_btf, "raw")
+    assert str(e.value) == ("raw tracepoints are not usable on this kernel: cannot read the kernel's BTF at "
+                            "/sys/kernel/btf/vmlinux (No such file)")
