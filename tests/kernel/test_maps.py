@@ -165,3 +165,27 @@ def test_drains_in_a_row_count_each_wait_once(probe, array_batch):
     assert probe._array_batch is (array_batch if array_batch is False else True)
     seen = sum(s.tally[0] for s in snaps)
     assert seen == sum(arrived(s)[0] for s in snaps) and seen >= waits
+
+
+def test_the_self_check_flags_caches_that_never_reach_the_agent(probe):
+    """The loss seen on 5.10, reproduced here: a drain that takes a batch
+    lookup the kernel did not perform for a success reads zeroed buffers as
+    empty caches. Counted against the waits the programs saw, the loss shows:
+    the tally says how many waits never arrived."""
+    from agent.store.tally import WaitTally
+
+    probe._read_array = lambda *args: True   # "read", but the buffer stays zero
+    tally = WaitTally()
+    with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg:
+        noisy.spawn(hog_argv(cpu=1))
+        v = victim_cg.spawn(victim_argv(2.0, sleep_ms=1.0, work_ms=0.3))
+        deadline = time.monotonic() + 30
+        while process_state(v.pid) not in ("Z", None) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            tally.observe(probe.snapshot())
+        v.wait()
+    verdict = tally.verdict()
+    print(f"\n{verdict}")
+    assert not verdict.ok and verdict.seen > 500
+    assert verdict.arrived < verdict.seen / 2
+    assert tally.missing_total["runq"] > tally.seen_total["runq"] / 2
