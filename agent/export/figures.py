@@ -29,16 +29,15 @@ from agent.probe.layout import ERROR_MAPS
 from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
 from agent.store.store import IDLE, ServiceWindow, Store
-from agent.store.table import ServiceTable, quantiles, sum_by
+from agent.store.table import ServiceTable, counter_row, quantiles, sum_by
 
 MetricType = Literal["counter", "gauge", "histogram", "summary"]
 
 QUANTILES = (0.5, 0.95, 0.99)
 QUANTILE_WINDOW_S = 60.0
-# Untraced-event kinds, in the order the store counts them.
+# Untraced-event kinds: the kernel's cgroup_val counts untraced_<kind>.
 UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
-# What full kernel maps could not record, in the order the store counts it
-# (agent/probe/layout.py CGROUP_FIELDS: lost_runq, lost_iowait, lost_blame).
+# What full kernel maps could not record: cgroup_val's lost_<kind> (and _ns).
 LOST_KINDS = ("runq", "iowait", "blame")
 # by_service values exported per service, ranked by the wait they caused
 # since the service was first seen; "idle" is exported besides them.
@@ -359,15 +358,15 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         count, sum_ns = iowait.get(i, (0, 0))
         if count:
             points[IOWAIT.name].append(histogram(s, HIST_IOWAIT, count, sum_ns))
-        migrations, *untraced = counters[i][:4]
-        if migrations:
-            points[MIGRATIONS.name].append(Point((s,), migrations))
-        for kind, n in zip(UNTRACED_KINDS, untraced):
-            if n:
-                points[UNTRACED.name].append(Point((s, kind), n))
-        for kind, n in zip(LOST_KINDS, counters[i][4:10:2]):
-            if n:
-                points[LOST_WAITS.name].append(Point((s, kind), n))
+        cnt = counter_row(counters[i])
+        if cnt["migrations"]:
+            points[MIGRATIONS.name].append(Point((s,), cnt["migrations"]))
+        for kind in UNTRACED_KINDS:
+            if cnt[f"untraced_{kind}"]:
+                points[UNTRACED.name].append(Point((s, kind), cnt[f"untraced_{kind}"]))
+        for kind in LOST_KINDS:
+            if cnt[f"lost_{kind}"]:
+                points[LOST_WAITS.name].append(Point((s, kind), cnt[f"lost_{kind}"]))
 
     # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
     every = np.array([name in with_buckets for name in totals.names], bool)

@@ -31,6 +31,11 @@ OTHER_CULPRITS = "other"
 # Columns of `counters`, in the kernel's cgroup_val order (agent/probe/layout.py).
 N_COUNTERS = len(CGROUP_FIELDS)
 
+
+def counter_row(row: Sequence[int]) -> dict[str, int]:
+    """One row of `counters` (as a list) by field name: cgroup_val's."""
+    return dict(zip(CGROUP_FIELDS, row))
+
 _EMPTY: Mapping = MappingProxyType({})
 _I64 = np.int64
 _DTYPES = {
@@ -188,20 +193,20 @@ class ServiceTable:
             name_by = self.names[by]
             old = table.get(name_by)
             table[name_by] = PairCounters(c, w) if old is None else PairCounters(old[0] + c, old[1] + w)
-        cnt = self.counters[i].tolist()
+        cnt = counter_row(self.counters[i].tolist())
         return ServiceInterval(
             runq=self.histogram(i, HIST_RUNQ),
             iowait=self.histogram(i, HIST_IOWAIT),
             preempted_by=MappingProxyType(dict(sorted(pairs.items()))),
-            migrations=cnt[0],
-            untraced_switch_in=cnt[1],
-            untraced_switch_out=cnt[2],
-            untraced_wakeup=cnt[3],
+            migrations=cnt["migrations"],
+            untraced_switch_in=cnt["untraced_switch_in"],
+            untraced_switch_out=cnt["untraced_switch_out"],
+            untraced_wakeup=cnt["untraced_wakeup"],
             cgroups=self.cgroups_of(name),
             waited_behind=MappingProxyType(dict(sorted(holders.items()))),
-            lost_runq=PairCounters(cnt[4], cnt[5]),
-            lost_iowait=PairCounters(cnt[6], cnt[7]),
-            lost_blame=PairCounters(cnt[8], cnt[9]),
+            lost_runq=PairCounters(cnt["lost_runq"], cnt["lost_runq_ns"]),
+            lost_iowait=PairCounters(cnt["lost_iowait"], cnt["lost_iowait_ns"]),
+            lost_blame=PairCounters(cnt["lost_blame"], cnt["lost_blame_ns"]),
         )
 
     # Builders.
