@@ -385,6 +385,8 @@ class BackgroundHTTPServer:
             raise _Closed from None
         except (ssl.SSLError, ConnectionError, OSError) as e:
             self.stats.tls_failures += 1
+            if isinstance(e, ConnectionAbortedError) and "taking longer" in str(e):
+                self.stats.timeouts += 1  # asyncio's own handshake deadline
             log.debug("%s: TLS handshake with %s:%d failed: %s", self.name, *peer, e)
             raise _Closed from None
 

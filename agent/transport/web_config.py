@@ -215,6 +215,10 @@ def _tls(m: dict, source: str, base: str) -> TlsSettings:
     ca_pem = _read(ca_file, source, "client_ca_file") if ca_file else None
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # No TLS 1.3 session tickets: asyncio writes them after the handshake and
+    # the first answer then waited ~40 ms (measured with curl: 42 ms to the
+    # first byte with tickets, 0.4 ms without). Scrapers keep their connection.
+    ctx.num_tickets = 0
     ctx.minimum_version = _VERSIONS[min_version]
     if max_version:
         ctx.maximum_version = _VERSIONS[max_version]
