@@ -12,10 +12,12 @@ windows on either side, so the workload's slow drift cancels; the added
 cost per switch is 1/rate(tool) - 1/rate(off).
 
 It measures the kernel side only (the probe, not the agent's user space,
-which runs on another CPU), on raw tracepoints (the path both tools take
-where the kernel has BTF). `--also DIR` adds slatrace's probe from another
-bpf/ directory to the cycle, to weigh one version of the probe against
-another within the same run.
+which runs on another CPU). The cycle also holds slatrace's probe on classic
+tracepoints (what a kernel without BTF gets) and the floor: empty programs on
+the same six raw tracepoints, what any tool on them costs before doing
+anything, so each tool's cost is also given as a ratio to the floor.
+`--also DIR` adds slatrace's probe from another bpf/ directory to the cycle,
+to weigh one version of the probe against another within the same run.
 """
 
 from __future__ import annotations
@@ -69,9 +71,43 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def load_probes(also: list[Path] = ()) -> dict[str, tuple[object, list[bytes]]]:
-    """Both tools' BPF objects, compiled and detached; then slatrace's probe
-    from each directory of `also`, named "slatrace@<directory>"."""
+# The floor: programs that do nothing, on the six tracepoints slatrace's probe
+# uses, attached the same way. What a tool costs above it is its own work.
+FLOOR = "".join(f"RAW_TRACEPOINT_PROBE({tp}) {{ return 0; }}\n" for tp in (
+    "sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task", "sched_process_fork",
+    "sched_process_exit"))
+
+
+class Toggled:
+    """A loaded BPF object whose tracepoints can be attached and detached in
+    turn: raw ones, or classic ones (BCC names their programs
+    tracepoint__<category>__<event>)."""
+
+    def __init__(self, bpf) -> None:
+        self.bpf = bpf
+        self.raw = list(bpf.raw_tracepoint_fds)
+        self.classic = list(bpf.tracepoint_fds)
+        if not self.raw and not self.classic:
+            raise RuntimeError("bench.toggle: a probe attached no tracepoint: nothing to toggle")
+
+    def set(self, on: bool) -> None:
+        for tp in self.raw:
+            if on:
+                self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
+            else:
+                self.bpf.detach_raw_tracepoint(tp=tp)
+        for tp in self.classic:
+            if on:
+                self.bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+            else:
+                self.bpf.detach_tracepoint(tp=tp)
+
+
+def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
+    """Every probe of the cycle, compiled and detached: slatrace's on raw
+    tracepoints, then from each directory of `also` ("slatrace@<directory>"),
+    slatrace's on classic tracepoints ("slatrace-classic"), the empty floor
+    ("floor") and runqlat-bpfcc's program ("runqlat")."""
     # Imported here: python3-bpfcc is needed only where probes are loaded.
     from bcc import BPF
 
@@ -82,29 +118,19 @@ def load_probes(also: list[Path] = ()) -> dict[str, tuple[object, list[bytes]]]:
                          "raw tracepoints; nothing to compare here")
     text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
     flags = loader.cflags(feat, loader.MapSizes(), "raw")
-    objs = {"slatrace": BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(), cflags=flags)}
+    src = str(loader.bpf_source_dir() / "sched.bpf.c").encode()
+    objs = {"slatrace": BPF(src_file=src, cflags=flags)}
     for d in also:
         # The include path first, so its own sched.h is the one found.
         objs[f"slatrace@{d}"] = BPF(src_file=str(d / "sched.bpf.c").encode(), cflags=[f"-I{d}", *flags])
+    objs["slatrace-classic"] = BPF(src_file=src, cflags=loader.cflags(feat, loader.MapSizes(), "classic"))
+    objs["floor"] = BPF(text=FLOOR)
     objs["runqlat"] = BPF(text=text)
     out = {}
     for name, b in objs.items():
-        tps = list(b.raw_tracepoint_fds)
-        if not tps:
-            raise RuntimeError(f"bench.toggle: {name} attached no raw tracepoint: nothing to toggle")
-        for tp in tps:
-            b.detach_raw_tracepoint(tp=tp)
-        out[name] = (b, tps)
+        out[name] = Toggled(b)
+        out[name].set(False)
     return out
-
-
-def set_attached(probe: tuple[object, list[bytes]], on: bool) -> None:
-    b, tps = probe
-    for tp in tps:
-        if on:
-            b.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
-        else:
-            b.detach_raw_tracepoint(tp=tp)
 
 
 def added_per_switch(seq: list[tuple[str, float]]) -> dict[str, list[float]]:
@@ -169,13 +195,13 @@ def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
                 i += 1
                 if state != "off":
                     attached = probes[state]
-                    set_attached(attached, True)
+                    attached.set(True)
                     time.sleep(SETTLE_S)
                 c0, t0 = workloads.context_switches(), time.monotonic()
                 time.sleep(window)
                 c1, t1 = workloads.context_switches(), time.monotonic()
                 if attached:
-                    set_attached(attached, False)
+                    attached.set(False)
                     attached = None
                 seq.append((state, (c1 - c0) / (t1 - t0)))
                 if i % 800 == 0:
@@ -183,7 +209,7 @@ def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
                              f"{i} windows")
         finally:
             if attached:
-                set_attached(attached, False)
+                attached.set(False)
             # The whole group: hackbench's 160 children outlive a kill of its main process.
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -202,6 +228,9 @@ def measure(probes: dict, name: str, seconds: float, window: float, cpu: int,
         if tool != "runqlat":
             r, lo, hi = ratio_of_means(v, added["runqlat"])
             out[tool].update(ratio=r, ratio_95=None if math.isnan(lo) else [lo, hi])
+        if tool != "floor":
+            r, lo, hi = ratio_of_means(v, added["floor"])
+            out[tool].update(floor_ratio=r, floor_ratio_95=None if math.isnan(lo) else [lo, hi])
     # The shipped probe's ratio, the one the targets judge.
     out.update(ratio=out["slatrace"]["ratio"], ratio_95=out["slatrace"]["ratio_95"])
     return out
@@ -221,8 +250,8 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
         try:
             return {name: measure(probes, name, seconds, window, cpu, progress) for name in names}
         finally:
-            for b, _ in probes.values():
-                b.cleanup()
+            for probe in probes.values():
+                probe.bpf.cleanup()
     finally:
         os.sched_setaffinity(0, affinity)
 
@@ -230,15 +259,17 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
 def describe(name: str, m: dict[str, Any]) -> str:
     lines = [f"{name}: `{m['command']}`; {m['window_s'] * 1e3:.0f} ms windows over {m['seconds']:.0f} s; "
              f"no tool: {m['off_ns_per_switch']:.0f} ns a switch"]
-    tools = [t for t in m if t == "slatrace" or t.startswith("slatrace@")] + ["runqlat"]
+    tools = [t for t in m if t.startswith("slatrace")] + ["floor", "runqlat"]
     for tool in tools:
         t = m[tool]
-        lines.append(f"  {tool:9s} {t['windows']} windows: added {t['mean_ns']:.0f} ns per switch "
+        lines.append(f"  {tool:16s} {t['windows']} windows: added {t['mean_ns']:.0f} ns per switch "
                      f"(median {t['median_ns']:.0f}, sd {t['sd_ns']:.0f})")
-    for tool in tools[:-1]:
-        iv = m[tool]["ratio_95"]
-        lines.append(f"  {tool} / runqlat: {m[tool]['ratio']:.2f}x" +
-                     (f" (95%: {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""))
+    for tool in tools:
+        for key, peer in (("ratio", "runqlat"), ("floor_ratio", "floor")):
+            if key in m[tool]:
+                iv = m[tool][f"{key}_95"]
+                lines.append(f"  {tool} / {peer}: {m[tool][key]:.2f}x" +
+                             (f" (95%: {iv[0]:.2f}-{iv[1]:.2f})" if iv else ""))
     return "\n".join(lines)
 
 
