@@ -29,3 +29,16 @@ def test_a_run_of_failed_collections_fails_livez_and_a_success_clears_it():
     health.succeeded()
     health.failed(OSError("x"))
     assert livez(api)[0] == 200
+
+
+def test_readyz_turns_503_while_the_self_check_finds_waits_lost_and_livez_stays_200():
+    state = AgentState(config=Config(), store=Store(60.0), registry=None, describe_services=list)
+    api = Api(state)
+    state.ready = True
+    assert api.handle("GET", "/readyz").status == 200
+    state.degraded = "the BPF programs saw 5000 runq waits in the last 5 intervals but 2000 reached the agent"
+    r = api.handle("GET", "/readyz")
+    assert r.status == 503 and r.body == b"not ready: " + state.degraded.encode() + b"\n"
+    assert livez(api)[0] == 200
+    state.degraded = None
+    assert api.handle("GET", "/readyz").status == 200
