@@ -409,8 +409,13 @@ class BackgroundHTTPServer:
             except h11.RemoteProtocolError as e:
                 raise _Malformed(e.error_status_hint, str(e)) from None
             if event is not h11.NEED_DATA:
-                if head and isinstance(event, h11.Request) and len(event.headers) > MAX_HEADERS:
-                    raise _Malformed(431, f"more than {MAX_HEADERS} header fields")
+                if head and isinstance(event, h11.Request):
+                    if len(event.headers) > MAX_HEADERS:
+                        raise _Malformed(431, f"more than {MAX_HEADERS} header fields")
+                    # h11 bounds a head still arriving; one that came whole is measured here.
+                    size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+                    if size > self.limits.max_head_bytes:
+                        raise _Malformed(431, f"a request head of more than {self.limits.max_head_bytes} bytes")
                 return event
             data = await self._timed(reader.read(READ_SIZE), deadline - time.monotonic())
             if not data and (conn.trailing_data[0] or conn.their_state not in (h11.IDLE, h11.DONE)):
@@ -434,7 +439,8 @@ class BackgroundHTTPServer:
         if refusal is None and (length or 0) > self.app.max_body_bytes:
             refusal = error(413, f"the body has {length} bytes, more than the limit of {self.app.max_body_bytes}")
         if refusal is not None:
-            if "transfer-encoding" not in req.headers and (length or 0) <= self.app.drain_bytes:
+            waiting = conn.they_are_waiting_for_100_continue  # it sends no body unless told to
+            if not waiting and "transfer-encoding" not in req.headers and (length or 0) <= self.app.drain_bytes:
                 await self._body(conn, reader, keep=False)  # dropped, so the client gets the answer
             else:
                 keep = False
