@@ -443,7 +443,9 @@ class UnknownSloWarnings:
 def run(config: Config, options: RunOptions) -> int:
     daemon = Daemon(config, options)
     reloader = ConfigReloader(options.config_path, dict(options.config_overrides), lambda: daemon.config,
-                              daemon.apply_config, tick=daemon.housekeeping)
+                              daemon.apply_config, tick=daemon.housekeeping,
+                              # SIGHUP still reloads a web config given by flag alone.
+                              warn_without_path=not getattr(options, "web_config_file", None))
 
     def on_signal(signum, frame) -> None:
         log.info("received %s, shutting down", signal.Signals(signum).name)

@@ -71,8 +71,9 @@ class ConfigReloader:
 
     def __init__(self, path: str | None, overrides: dict, current: Callable[[], Config],
                  apply: Callable[[Config], None], tick: Callable[[], None] | None = None,
-                 tick_s: float = 5.0) -> None:
+                 tick_s: float = 5.0, warn_without_path: bool = True) -> None:
         self.path = path
+        self.warn_without_path = warn_without_path
         self._tick = tick
         self.tick_s = tick_s
         self.overrides = dict(overrides)
@@ -113,7 +114,8 @@ class ConfigReloader:
 
     def reload(self) -> bool:
         if not self.path:
-            log.warning("SIGHUP: slatrace was started without --config, so there is no file to reload")
+            if self.warn_without_path:
+                log.warning("SIGHUP: slatrace was started without --config, so there is no file to reload")
             return False
         try:
             new = load_with_overrides(self.path, self.overrides)

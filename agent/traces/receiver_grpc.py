@@ -127,6 +127,17 @@ def server_credentials(access: WebAccess) -> grpc.ServerCredentials:
                                                require_client_authentication=tls.requires_client_cert)
 
 
+def _say_what_grpc_ignores(access: WebAccess) -> None:
+    tls = access.config.tls
+    ignored = [k for k, v in (("min_version", tls.min_version != "TLS12"), ("max_version", tls.max_version),
+                              ("cipher_suites", tls.cipher_suites)) if v]
+    if tls.client_auth_type == "VerifyClientCertIfGiven":
+        ignored.append("client_auth_type VerifyClientCertIfGiven (no certificate is asked for)")
+    if ignored:
+        log.warning("the OTLP/gRPC receiver cannot apply %s of %s: grpcio has no such setting; the HTTP servers do",
+                    ", ".join(ignored), access.path)
+
+
 class _CountQueueFull(grpc.ServerInterceptor):
     """Counts the calls grpcio turns away because maximum_concurrent_rpcs
     calls are already running or queued. grpcio decides that under its server
@@ -175,6 +186,7 @@ class GrpcReceiver:
         self.tls = access is not None and access.config.tls is not None
         try:
             if self.tls:
+                _say_what_grpc_ignores(access)
                 self.port = self._server.add_secure_port(address, server_credentials(access))
             else:
                 self.port = self._server.add_insecure_port(address)

@@ -111,6 +111,7 @@ class TlsSettings:
     client_ca_file: str | None
     min_version: str
     max_version: str | None
+    cipher_suites: tuple[str, ...]
     cert_pem: bytes = field(repr=False)
     key_pem: bytes = field(repr=False)
     ca_pem: bytes | None = field(repr=False)
@@ -253,7 +254,8 @@ def _tls(m: dict, source: str, base: str) -> TlsSettings:
     if m.get("prefer_server_cipher_suites", True):
         ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return TlsSettings(cert_file=cert_file, key_file=key_file, client_auth_type=auth, client_ca_file=ca_file,
-                       min_version=min_version, max_version=max_version, cert_pem=cert_pem, key_pem=key_pem,
+                       min_version=min_version, max_version=max_version, cipher_suites=tuple(suites),
+                       cert_pem=cert_pem, key_pem=key_pem,
                        ca_pem=ca_pem, context=ctx)
 
 

@@ -348,3 +348,13 @@ def test_the_grpc_receiver_serves_a_rotated_certificate(pki, tmp_path):
         assert served() != before
     finally:
         rx.stop()
+
+
+def test_the_grpc_receiver_says_which_tls_settings_it_cannot_apply(pki, caplog):
+    access = WebAccess(str(pki.web_config("grpc13.yml", users=False, min_version="TLS13")))
+    counters = TraceCounters()
+    pipeline = RequestPipeline(FakeSched(), own_services(), (), RequestStore(900), counters, tick_s=0.02)
+    rx = GrpcReceiver("127.0.0.1", 0, pipeline, counters, access=access)
+    rx.stop()
+    said = [r.getMessage() for r in caplog.records if "OTLP/gRPC receiver cannot apply" in r.getMessage()]
+    assert len(said) == 1 and "min_version" in said[0] and "grpc13.yml" in said[0]
