@@ -181,6 +181,31 @@ def test_probes_on_the_agent_port(container: dict[str, Any]):
         assert port == AGENT_PORT
 
 
+def test_the_commented_web_config_lines_make_a_valid_daemonset():
+    """The lines deploy/daemonset.yaml offers for TLS and basic auth, applied, still validate."""
+    text = (DEPLOY / "daemonset.yaml").read_text()
+    section = text[text.index("# TLS and basic auth"):text.index("# and set `scheme: HTTPS`")]
+    entries: list[str] = []
+    for line in section.splitlines():
+        body = line.strip().removeprefix("#").rstrip()
+        if re.match(r" (args|volumeMounts|volumes):", body):
+            entries.append(body.strip())
+        elif entries and body.startswith("   "):   # a continuation of the entry above
+            entries[-1] += " " + body.strip()
+    patch = yaml.safe_load("\n".join(re.sub(r"\s+#.*$", "", e) for e in entries))
+    ds = json.loads(json.dumps(one("DaemonSet", "slatrace")))
+    pod = ds["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    container["args"] = patch["args"]
+    container["volumeMounts"] += patch["volumeMounts"]
+    pod["volumes"] += patch["volumes"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        container[probe]["httpGet"]["scheme"] = "HTTPS"
+    kv.validate(ds, NEWEST, strict=True)
+    path = Path(patch["args"][patch["args"].index("--web-config-file") + 1])
+    assert any(path.is_relative_to(m["mountPath"]) for m in patch["volumeMounts"])
+
+
 def test_resources_env_and_scheduling(daemonset: dict[str, Any], container: dict[str, Any]):
     res = container["resources"]
     for key in ("cpu", "memory"):
