@@ -242,6 +242,9 @@ class BackgroundHTTPServer:
         self._per_host: dict[str, int] = {}
         self._conns: set[asyncio.Task] = set()
         self._budget: _Budget | None = None
+        # bcrypt checks running at once: a flood of new passwords queues here
+        # (on the loop, costing nothing) instead of taking every worker.
+        self._bcrypt: asyncio.Semaphore | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = threading.Event()
@@ -293,6 +296,7 @@ class BackgroundHTTPServer:
 
     async def _serve(self) -> None:
         self._budget = _Budget(self.limits.body_budget_bytes)
+        self._bcrypt = asyncio.Semaphore(max(1, self.limits.workers // 4))
         self._server = await asyncio.start_server(self._connection, sock=self._sock, limit=2 * READ_SIZE)
 
     async def _shutdown(self) -> None:
@@ -475,7 +479,8 @@ class BackgroundHTTPServer:
         header = req.header("authorization")
         ok = auth.cached(header)
         if ok is None:
-            ok = await self._loop.run_in_executor(self._pool, auth.verify, header)
+            async with self._bcrypt:
+                ok = await self._loop.run_in_executor(self._pool, auth.verify, header)
         if ok:
             return None
         self.stats.unauthorized += 1
