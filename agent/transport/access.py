@@ -106,6 +106,9 @@ class WebAccess:
         self.path = path
         self.config: WebConfig = load_web_config(path)
         self.auth = BasicAuth(self.config.users_map)
+        if self.config.users and self.config.tls is None:
+            log.warning("%s has basic_auth_users but no tls_server_config: passwords cross the network in "
+                        "clear text", path)
         self.generation = 1
         self.reloads = 0
         self.failures = 0
