@@ -220,6 +220,7 @@ def _tls(m: dict, source: str, base: str) -> TlsSettings:
     # the first answer then waited ~40 ms (measured with curl: 42 ms to the
     # first byte with tickets, 0.4 ms without). Scrapers keep their connection.
     ctx.num_tickets = 0
+    ctx.set_alpn_protocols(["http/1.1"])  # HTTP/1.1 only (http_server_config.http2 is accepted and means nothing)
     ctx.minimum_version = _VERSIONS[min_version]
     if max_version:
         ctx.maximum_version = _VERSIONS[max_version]
