@@ -22,3 +22,12 @@ def test_ruff_finds_nothing():
     out = subprocess.run([str(ruff), "check", "--no-cache", "--output-format", "concise", "."], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_test_modules_have_unique_names_across_tiers():
+    """The tiers are not packages: pytest imports each module by its basename,
+    and a second module of the same name stops the whole collection."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tests").glob("*/test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
