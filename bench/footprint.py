@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.tools import free_port, log_tail, spawn, stop
+from bench.tools import attach_seconds_in, free_port, log_tail, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -141,12 +141,11 @@ def one_run(variant: str, flags: tuple[str, ...], log: Path, env: dict[str, str]
 
 
 def attach_seconds(log: Path) -> float:
-    """The agent's own "BPF programs attached in X s": the compile, the part of
-    start-up that a busy host stretches most."""
-    for line in log.read_text(errors="replace").splitlines():
-        if "BPF programs attached in" in line:
-            return float(line.rsplit(" in ", 1)[1].split()[0])
-    raise RuntimeError(f"no 'BPF programs attached' line in {log}:\n{log_tail(log)}")
+    """The agent's own compile-and-attach time (bench.tools.attach_seconds_in)."""
+    seconds = attach_seconds_in(log.read_text(errors="replace"))
+    if seconds is None:
+        raise RuntimeError(f"no 'BPF programs attached' line in {log}:\n{log_tail(log)}")
+    return seconds
 
 
 def median(values: list[float]) -> dict[str, float]:

@@ -102,6 +102,18 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def attach_seconds_in(log_text: str) -> float | None:
+    """X of the agent's "BPF programs attached to <mode> tracepoints in X s":
+    the compile and attach, the part of start-up a busy host stretches most."""
+    for line in log_text.splitlines():
+        if "BPF programs attached" in line and " in " in line:
+            try:
+                return float(line.rsplit(" in ", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
 class Tool:
     """A running tracing tool; subclasses know how to start, detect attachment
     and stop it."""
@@ -193,14 +205,8 @@ class Slatrace(Tool):
         return None
 
     def attach_seconds(self) -> float | None:
-        """The agent's own "BPF programs attached in X s" log line."""
-        for line in log_tail(self.log, 200).splitlines():
-            if "BPF programs attached in" in line:
-                try:
-                    return float(line.rsplit(" in ", 1)[1].split()[0])
-                except (IndexError, ValueError):
-                    return None
-        return None
+        """The agent's own "BPF programs attached to ... in X s" log line."""
+        return attach_seconds_in(log_tail(self.log, 200))
 
 
 class Runqlat(Tool):
