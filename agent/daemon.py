@@ -262,6 +262,7 @@ class Daemon:
                                   access=self._access)
             self._traces.register(self.registry)
             self.state.extra_routes.update(self._traces.routes())
+            self.state.engines_since = self._traces.engines_since
             self._traces.start()
             if self._traces.http is not None:
                 self._servers.add(self._traces.http)

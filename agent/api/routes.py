@@ -58,6 +58,8 @@ class AgentState:
     # (start, end] -> per-service throttled seconds / per-(service, slo) breached intervals
     throttled_between: Callable[[float, float], dict[str, float]] | None = None
     breaches_between: Callable[[float, float], dict[tuple[str, str], int]] | None = None
+    # (since seconds, service or None) -> the inference engines' own figures, one entry per service
+    engines_since: Callable[[float, str | None], list[dict]] | None = None
 
 
 class Api:
@@ -126,4 +128,7 @@ class Api:
                 throttled = self.state.throttled_between(window.start, window.end)
             if self.state.breaches_between is not None:
                 breaches = self.state.breaches_between(window.start, window.end)
-        return json_response(200, attribution(window, self.state.config.slos, service, throttled, breaches))
+        engines = None
+        if self.state.engines_since is not None:
+            engines = {e["service"]: e for e in self.state.engines_since(since, service)}
+        return json_response(200, attribution(window, self.state.config.slos, service, throttled, breaches, engines))

@@ -75,16 +75,23 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
 
 def attribution(window: Any, slos: tuple[Slo, ...] = (), service: str | None = None,
                 throttled: Mapping[str, float] | None = None,
-                breaches: Mapping[tuple[str, str], int] | None = None) -> dict:
+                breaches: Mapping[tuple[str, str], int] | None = None,
+                engines: Mapping[str, dict] | None = None) -> dict:
     """The `GET /api/v1/attribution` document for a store Window, services
     sorted by run-queue P99, worst first. `throttled` (service -> seconds) and
-    `breaches` ((service, slo) -> intervals) cover the same intervals."""
+    `breaches` ((service, slo) -> intervals) cover the same intervals;
+    `engines` (service -> its inference engine's own latency figures beside
+    its requests' scheduling delay) the same window, as the scrapes allow."""
     throttled = throttled or {}
+    engines = engines or {}
     records = [
         service_record(name, window.start, window.end, figures, slos,
                        throttled.get(name, 0.0), breaches)
         for name, figures in window.services.items()
         if service is None or name == service
     ]
+    for record in records:
+        if record["service"] in engines:
+            record["engine"] = engines[record["service"]]
     records.sort(key=lambda r: r["runq"]["p99"], reverse=True)
     return {"attribution": records}

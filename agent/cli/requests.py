@@ -174,10 +174,11 @@ def print_explain(doc: dict) -> None:
                        style="bold"))
     console.print(Text(doc.get("verdict", ""), style="bold yellow"))
     table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column("what")
+    table.add_column("what", no_wrap=True)
     table.add_column("timeline", no_wrap=True)
-    table.add_column("seconds", justify="right")
-    for label, bar, duration in timeline(doc):
+    table.add_column("seconds", justify="right", no_wrap=True)
+    # The bar gives way on a narrow terminal (or a pipe's 80 columns): labels and figures stay whole.
+    for label, bar, duration in timeline(doc, width=max(20, min(BAR_WIDTH, console.width - 44))):
         table.add_row(label, bar, duration)
     console.print(table)
     sched = doc.get("sched")

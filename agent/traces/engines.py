@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 from agent.traces.engine_metrics import EngineHistogram, parse_histograms, window_figures
 
-__all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "requests_figures"]
+__all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,16 @@ def engine_routes(scraper: EngineScraper, store) -> dict:
             since = float_param(query, "since", 60.0)
         except QueryError as e:
             return error(400, str(e))
-        out = []
-        for fig in scraper.figures(since, str_param(query, "service")):
-            docs = store.query(service=fig["service"], since_s=since + scraper.every_s)
-            out.append({**fig, "requests": requests_figures(docs, fig["start"], fig["end"])})
-        return json_response(200, {"engines": out})
+        return json_response(200, {"engines": engine_window(scraper, store, since, str_param(query, "service"))})
 
     return {ENGINES_PATH: engines}
+
+
+def engine_window(scraper: EngineScraper, store, since_s: float, service: str | None = None) -> list[dict]:
+    """Per service with an engine: its own figures over the last `since_s`
+    seconds, and the requests that ended between the same two scrapes."""
+    out = []
+    for fig in scraper.figures(since_s, service):
+        docs = store.query(service=fig["service"], since_s=since_s + scraper.every_s)
+        out.append({**fig, "requests": requests_figures(docs, fig["start"], fig["end"])})
+    return out

@@ -19,7 +19,7 @@ from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
-from agent.traces.engines import EngineScraper, engine_routes
+from agent.traces.engines import EngineScraper, engine_routes, engine_window
 from agent.traces.identity import SpanServices, ThisHost
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits
@@ -90,6 +90,10 @@ class Traces:
     def routes(self) -> dict:
         return {**request_routes(self.store, self.counters, lambda: self.span_services.relays),
                 **engine_routes(self.engines, self.store)}
+
+    def engines_since(self, since_s: float, service: str | None = None) -> list[dict]:
+        """The engines' own figures over the last `since_s` seconds, beside their requests' delay."""
+        return engine_window(self.engines, self.store, since_s, service)
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(TraceCollector(self.counters))

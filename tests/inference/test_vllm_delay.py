@@ -225,6 +225,7 @@ def scene(tmp_path_factory):
             missing = [r["request_id"] for r in requests if r["request_id"] not in got]
             assert not missing, f"requests never attributed: {missing[:5]}; agent log: {agent.output()[-2000:]}"
             engines = wait_for_engine(agent, len(requests))
+            attributed = agent.get_json(f"/api/v1/attribution?service={SERVICE}&since=3600")["attribution"]
             one = max((r for r in requests if r["mode"] == "with"), key=lambda r: got[r["request_id"]]["e2e"])
             explain = subprocess.run(SLATRACE + ["explain", one["request_id"], "--agent", agent.url], cwd=REPO,
                                      capture_output=True, text=True, timeout=30)
@@ -238,14 +239,31 @@ def scene(tmp_path_factory):
         occupancy = cpu_occupancy(rec.events)
         yield {"requests": requests, "docs": got, "names": names, "ref": ref, "offset_ns": offset_ns,
                "explain": explain, "listing": listing, "timings": timings,
-               "occupancy": occupancy, "vllm_tids": ref.tids, "engines": engines, "engine_url": engine.url}
+               "occupancy": occupancy, "vllm_tids": ref.tids, "spans": SpanIndex(ref.spans), "engines": engines,
+               "engine_url": engine.url, "attributed": attributed}
 
 
-def clipped_waits(ref, lo: int, hi: int) -> dict[int, list[tuple[int, int]]]:
+class SpanIndex:
+    """The reference's waits in end order, to cut a window without reading them all."""
+
+    def __init__(self, spans) -> None:
+        self.spans = sorted(spans, key=lambda s: s.end_ns)
+        self.ends = [s.end_ns for s in self.spans]
+        self.longest = max((s.end_ns - s.start_ns for s in self.spans), default=0)
+
+    def overlapping(self, lo: int, hi: int):
+        i = bisect.bisect_right(self.ends, lo)
+        while i < len(self.spans) and self.ends[i] <= hi + self.longest:
+            s = self.spans[i]
+            if s.start_ns < hi:
+                yield s
+            i += 1
+
+
+def clipped_waits(index: SpanIndex, lo: int, hi: int) -> dict[int, list[tuple[int, int]]]:
     out: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for s in ref.spans:
-        if s.end_ns > lo and s.start_ns < hi:
-            out[s.tid].append((max(s.start_ns, lo), min(s.end_ns, hi)))
+    for s in index.overlapping(lo, hi):
+        out[s.tid].append((max(s.start_ns, lo), min(s.end_ns, hi)))
     return out
 
 
@@ -270,7 +288,7 @@ def reference_figures(scene, doc) -> tuple[float, float, dict[tuple[int, str, st
     """(delay, thread-seconds, by (pid, process, thread)) replayed from tracefs over the request's window."""
     names = scene["names"]
     lo, hi = window(scene, doc)
-    waits = clipped_waits(scene["ref"], lo, hi)
+    waits = clipped_waits(scene["spans"], lo, hi)
     critical = [iv for tid, ivs in waits.items() if tid in names and names[tid][1] == names[tid][2] for iv in ivs]
     by: dict[tuple[int, str, str], float] = defaultdict(float)
     for tid, ivs in waits.items():
@@ -302,29 +320,43 @@ def reference_split(scene, doc) -> dict[str, float]:
     names, occupancy = scene["names"], scene["occupancy"]
     vllm_tids = scene["vllm_tids"]
     lo, hi = window(scene, doc)
-    waits = [(max(s.start_ns, lo), min(s.end_ns, hi), s.cpu, s.tid) for s in scene["ref"].spans
-             if s.end_ns > lo and s.start_ns < hi and s.tid in names and names[s.tid][1] == names[s.tid][2]]
-    edges = sorted({t for a, b, _, _ in waits for t in (a, b)})
+    waits = [(max(s.start_ns, lo), min(s.end_ns, hi), s.cpu, s.tid) for s in scene["spans"].overlapping(lo, hi)
+             if s.tid in names and names[s.tid][1] == names[s.tid][2]]
+    edges = sorted((t, step, i) for i, (a, b, _, _) in enumerate(waits) for t, step in ((a, 1), (b, -1)))
     split: dict[str, float] = defaultdict(float)
 
     def category(tid: int) -> str:
         return ("idle" if tid == 0 else "neighbour" if tid in Neighbour.tids else
                 "self" if tid in vllm_tids else "other")
 
-    for t0, t1 in zip(edges, edges[1:]):
-        active = [(cpu, tid) for a, b, cpu, tid in waits if a <= t0 and b >= t1]
-        for cpu, waiter in active:
-            starts, ends, tids = occupancy.get(cpu, ([], [], []))
-            i = max(0, bisect.bisect_right(starts, t0) - 1)
-            covered = 0
-            while i < len(starts) and starts[i] < t1:
-                overlap = min(ends[i], t1) - max(starts[i], t0)
-                if overlap > 0 and tids[i] != waiter:
-                    split[category(tids[i])] += overlap / len(active) / 1e9
-                    covered += overlap
-                i += 1
-            split["other"] += max(0, (t1 - t0) - covered) / len(active) / 1e9
+    active: dict[int, tuple[int, int]] = {}   # wait index -> (cpu, tid), swept in time order
+    last = None
+    for t1, step, i in edges:
+        t0, last = last, t1
+        if t0 is not None and t1 > t0 and active:
+            _charge(split, active.values(), t0, t1, occupancy, category)
+        if step > 0:
+            active[i] = waits[i][2:]
+        else:
+            active.pop(i, None)
     return split
+
+
+def _charge(split: dict[str, float], active, t0: int, t1: int, occupancy, category) -> None:
+    """[t0, t1] of the delay, split evenly between the waiting threads, each
+    share by who ran on the CPU that thread waited for."""
+    active = list(active)
+    for cpu, waiter in active:
+        starts, ends, tids = occupancy.get(cpu, ([], [], []))
+        i = max(0, bisect.bisect_right(starts, t0) - 1)
+        covered = 0
+        while i < len(starts) and starts[i] < t1:
+            overlap = min(ends[i], t1) - max(starts[i], t0)
+            if overlap > 0 and tids[i] != waiter:
+                split[category(tids[i])] += overlap / len(active) / 1e9
+                covered += overlap
+            i += 1
+        split["other"] += max(0, (t1 - t0) - covered) / len(active) / 1e9
 
 
 def neighbour_delay(doc) -> float:
@@ -430,7 +462,7 @@ def test_a_step_loop_wait_delays_every_request_of_the_step(scene):
     """Requests served in one batch share the engine's steps: each counts the
     waits of the step loop during its own window, so their delays add up to
     more than the wall-clock wait of the batch as a whole."""
-    docs, names, ref = scene["docs"], scene["names"], scene["ref"]
+    docs, names = scene["docs"], scene["names"]
     batches = defaultdict(list)
     for r in scene["requests"]:
         if r["phase"] == "concurrent" and r["mode"] == "with":
@@ -438,7 +470,7 @@ def test_a_step_loop_wait_delays_every_request_of_the_step(scene):
     for batch, ds in batches.items():
         lo = min(window(scene, d)[0] for d in ds)
         hi = max(window(scene, d)[1] for d in ds)
-        waits = clipped_waits(ref, lo, hi)
+        waits = clipped_waits(scene["spans"], lo, hi)
         whole = union_ns([iv for tid, ivs in waits.items() if tid in names and names[tid][1] == names[tid][2]
                           for iv in ivs]) / 1e9
         total = sum(d["sched"]["delay_seconds"] for d in ds)
@@ -475,5 +507,8 @@ def test_the_engines_own_histograms_beside_the_delay(scene):
           + f"; spans e2e p50 {requests['e2e']['p50']:.3f} s; CPU delay p50 {requests['delay']['p50']:.3f} s, "
           f"p95 {requests['delay']['p95']:.3f} s; engine ttft p50 {latency['ttft']['p50']:.3f} s")
     # The engine's mean is its exact sum over its count: the spans' own figures of the same requests.
+    # The same beside the service's scheduler figures in /api/v1/attribution.
+    [record] = scene["attributed"]
+    assert record["engine"]["url"] == engine["url"] and record["engine"]["latency"]["e2e"]["count"] >= len(docs)
     assert latency["e2e"]["mean"] == pytest.approx(statistics.mean(d["e2e"] for d in docs), rel=0.02)
     assert latency["ttft"]["mean"] == pytest.approx(statistics.mean(d["ttft"] for d in docs), rel=0.02)

@@ -27,6 +27,11 @@ NAMES = {WEB: "web", BATCH: "batch"}
 NOW = 1010.0
 
 
+# What /api/v1/engines says of web's inference engine (agent/traces/engines.py).
+ENGINE = {"service": "web", "url": "http://127.0.0.1:8000/metrics", "start": 1001.0, "end": 1002.0,
+          "latency": {"e2e": {"metric": "vllm:e2e_request_latency_seconds", "count": 2.0}}, "requests": {"count": 2}}
+
+
 def snap(t: int, **kw) -> ProbeSnapshot:
     return ProbeSnapshot.from_dicts(mono_ns=t * 10**9, wall=1000.0 + t, **kw)
 
@@ -49,7 +54,8 @@ def api() -> Api:
         slos=config.slos, agent_stats=lambda: AgentStats(poll_duration_seconds=0.01, poll_errors=0))))
     state = AgentState(config=config, store=store, registry=registry,
                        describe_services=lambda: [{"name": "web", "source": "config", "cgroups": ["/web"]}],
-                       breaches_between=lambda start, end: {("web", "runq_p99"): 2})
+                       breaches_between=lambda start, end: {("web", "runq_p99"): 2},
+                       engines_since=lambda since, service: [ENGINE])
     state.ready = True
     return Api(state)
 
@@ -197,3 +203,13 @@ def test_cli_services_and_checks_tables(capsys):
     text = capsys.readouterr().out
     assert _row(text, "web")[1:] == ["config", "3", "/a, /b"]
     assert _row(text, "tracefs")[1] == "yes" and _row(text, "BTF")[1:] == ["NO", "missing"]
+
+
+def test_attribution_carries_the_engines_figures_of_the_services_that_have_one(api):
+    seen = []
+    engines_since = api.state.engines_since
+    api.state.engines_since = lambda since, service: seen.append((since, service)) or engines_since(since, service)
+    _, doc, _ = get(api, "/api/v1/attribution?since=60")
+    records = {r["service"]: r for r in doc["attribution"]}
+    assert records["web"]["engine"] == ENGINE and "engine" not in records["batch"]
+    assert seen == [(60.0, None)]

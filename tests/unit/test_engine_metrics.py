@@ -134,3 +134,25 @@ def test_the_scraper_reads_a_real_http_endpoint_and_cuts_windows(caplog):
             {"end": 106.0, "e2e": 0.2, "sched": None}]                      # no figures
     assert requests_figures(docs, 100.0, 110.0) == {"count": 3, "e2e": {"p50": 0.45, "p95": 0.9, "max": 0.9},
                                                      "delay": {"p50": 0.2, "p95": 0.5, "max": 0.5}}
+
+
+def test_an_engines_window_sits_beside_its_services_requests():
+    from agent.traces.engines import EngineScraper, engine_window
+    from agent.traces.request_store import RequestStore
+
+    now = [100.0]
+    texts = iter([exposition((1, 0, 0), 0.2), exposition((1, 1, 0), 0.6)])
+    scraper = EngineScraper(lambda: {"vllm": "http://engine/metrics"}, fetch=lambda url: next(texts),
+                            clock=lambda: now[0])
+    scraper.scrape_once()
+    now[0] = 105.0
+    scraper.scrape_once()
+    store = RequestStore(retention_s=60, clock=lambda: now[0])
+    store.add({"request_id": "a", "service": "vllm", "end": 103.0, "e2e": 0.4, "slo": [],
+               "sched": {"delay_seconds": 0.25}})
+    store.add({"request_id": "b", "service": "other", "end": 103.0, "e2e": 9.0, "slo": [],
+               "sched": {"delay_seconds": 9.0}})
+    [got] = engine_window(scraper, store, 30.0)
+    assert got["latency"]["e2e"]["count"] == 1 and got["latency"]["e2e"]["mean"] == pytest.approx(0.4)
+    assert got["requests"] == {"count": 1, "e2e": {"p50": 0.4, "p95": 0.4, "max": 0.4},
+                               "delay": {"p50": 0.25, "p95": 0.25, "max": 0.25}}
