@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DEFAULT_CONFIG_YAML",
+    "EngineTarget",
     "REQUEST_SERVERS",
     "RequestSpanRule",
     "RELAY_MATCHERS",
@@ -104,6 +105,15 @@ RELAY_MATCHERS = tuple(f.name for f in fields(RelayRule))
 
 
 @dataclass(frozen=True)
+class EngineTarget:
+    """Where a service's inference engine serves its own Prometheus metrics,
+    for engines the agent cannot find by their command line (`engines`)."""
+
+    service: str
+    url: str
+
+
+@dataclass(frozen=True)
 class Config:
     interval: float = 1.0
     retention: float = 900.0
@@ -124,6 +134,9 @@ class Config:
     # The exporter-toolkit web configuration (TLS, client certificates, basic
     # auth) of the API, /metrics and the OTLP receivers; --web-config-file wins.
     web_config_file: str | None = None
+    # Engines' metrics endpoints beside those found from `vllm serve` command
+    # lines (agent/traces/engines.py); read at start-up only.
+    engines: tuple[EngineTarget, ...] = ()
 
     def histogram_globs(self) -> tuple[str, ...]:
         """Globs on the services whose histograms carry buckets: those an SLO
@@ -182,10 +195,17 @@ otlp_relays: []
 #  - cgroup: "/system.slice/otelcol*.service"  # glob on its cgroup v2 path; also: pid
 #  - k8s_namespace: observability              # pods of this namespace...
 #    k8s_service_account: otel-collector       # ...running as this service account
+
+# Inference engines' own Prometheus metrics, read beside the scheduler's figures
+# (/api/v1/engines). A `vllm serve` is found by its command line (--host, --port);
+# list others here. Read at start-up only.
+engines: []
+#  - service: vllm
+#    url: http://10.0.0.7:8000/metrics
 """
 
 _TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "histograms", "services",
-             "slos", "request_spans", "otlp_relays", "web_config_file")
+             "slos", "request_spans", "otlp_relays", "web_config_file", "engines")
 _REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
 _REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
@@ -291,7 +311,20 @@ def parse_config(data: Any, source: str) -> Config:
         attach_mode=attach_mode,
         otlp_relays=parse_relays(_sequence(top, "otlp_relays", source), source, "otlp_relays"),
         web_config_file=_web_config_file(top.get("web_config_file"), source),
+        engines=tuple(_engine(item, source, f"engines[{i}]")
+                      for i, item in enumerate(_sequence(top, "engines", source))),
     )
+
+
+def _engine(item: Any, source: str, where: str) -> EngineTarget:
+    m = _mapping(item, source, where, "an engine (service and url)", ("service", "url"))
+    service, url = m.get("service"), m.get("url")
+    if not isinstance(service, str) or not service.strip():
+        raise ConfigError(f"{source}: {where}.service: expected the service's name, got {_short(service)}")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{source}: {where}.url: expected the engine's metrics URL "
+                          f"(http://HOST:PORT/metrics), got {_short(url)}")
+    return EngineTarget(service.strip(), url)
 
 
 def _web_config_file(value: Any, source: str) -> str | None:

@@ -77,7 +77,8 @@ class Traces:
         self._sched = sched
         self.servers = ServerProcesses(cgroups, service_of, spans.servers, spans.watch)
         # The engines found by the scan serve their own latency histograms: read beside ours.
-        self.engines = EngineScraper(lambda: self.servers.engines, retention_s=config.retention)
+        configured = {e.service: e.url for e in config.engines}
+        self.engines = EngineScraper(lambda: {**self.servers.engines, **configured}, retention_s=config.retention)
         self._stop = threading.Event()
         self._scan_thread: threading.Thread | None = None
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")

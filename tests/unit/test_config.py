@@ -13,6 +13,7 @@ from agent.config import (
     DEFAULT_CONFIG_YAML,
     Config,
     ConfigError,
+    EngineTarget,
     ServiceRule,
     Slo,
     load_config,
@@ -132,7 +133,7 @@ def test_results_are_frozen() -> None:
             "intervall: 2",
             "config.yaml: unknown key 'intervall' "
             "(known keys: interval, retention, max_services, buckets_per_octave, attach_mode, histograms, services, "
-            "slos, request_spans, otlp_relays, web_config_file)",
+            "slos, request_spans, otlp_relays, web_config_file, engines)",
         ),
         (
             "services:\n  - name: a\n    comm: x\n  - name: b\n    cgroup: 3\n",
@@ -293,3 +294,15 @@ def test_errors_name_the_given_source() -> None:
     with pytest.raises(ConfigError) as exc:
         parse_config({"interval": "x"}, "/etc/slatrace/config.yaml")
     assert str(exc.value).startswith("/etc/slatrace/config.yaml: interval: ")
+
+
+def test_engines_name_a_service_and_its_metrics_url() -> None:
+    cfg = parse("engines:\n  - service: vllm\n    url: http://10.0.0.7:8000/metrics\n")
+    assert cfg.engines == (EngineTarget("vllm", "http://10.0.0.7:8000/metrics"),)
+    with pytest.raises(ConfigError) as exc:
+        parse("engines:\n  - service: vllm\n    url: 10.0.0.7:8000\n")
+    assert str(exc.value) == ("config.yaml: engines[0].url: expected the engine's metrics URL "
+                              "(http://HOST:PORT/metrics), got '10.0.0.7:8000'")
+    with pytest.raises(ConfigError) as exc:
+        parse("engines:\n  - url: http://h/metrics\n")
+    assert "engines[0].service: expected the service's name" in str(exc.value)
