@@ -189,6 +189,10 @@ def test_each_request_is_attributed_to_the_server_and_blames_the_neighbour(scene
         if neighbour_ns > others_ns:
             # More than everyone else together: first whatever the others' services.
             assert sched["preempted_by"][0]["service"] == NOISY_SERVICE, sched
+        if neighbour_ns > 2 * others_ns:
+            # The verdict names the largest culprit of the request's delay, which
+            # also counts waits after wake-ups: the neighbour is first there when
+            # it preempted the server twice as long as everyone else together.
             assert NOISY_SERVICE in doc["verdict"], doc["verdict"]
             neighbour_first.append(r["request_id"])
     one = (neighbour_first or [reqs[-1]["request_id"]])[-1]
