@@ -42,6 +42,7 @@ from agent.export.servers import ServerCollector  # noqa: E402
 from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
+from agent.traces.engines import EngineCollector, EngineScraper  # noqa: E402
 from agent.traces.metrics import TraceCollector, TraceCounters  # noqa: E402
 
 DOC = REPO / "docs" / "metrics.md"
@@ -97,6 +98,17 @@ def trace_scrape_text() -> str:
     counters.add_forward_dropped("queue_full", 1)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(TraceCollector(counters))
+    return generate_latest(registry).decode()
+
+
+def engine_scrape_text() -> str:
+    """The engines' own quantiles, from one scrape of the recorded vLLM 0.32.0
+    exposition (tests/unit/fixtures/vllm): its whole life is the window."""
+    fixture = (REPO / "tests" / "unit" / "fixtures" / "vllm" / "metrics-0.32.0.txt").read_text()
+    scraper = EngineScraper(lambda: {"vllm": "http://engine/metrics"}, fetch=lambda url: fixture)
+    scraper.scrape_once()
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(EngineCollector(scraper))
     return generate_latest(registry).decode()
 
 
@@ -214,6 +226,19 @@ def render() -> str:
         "|---|---|---|---|",
     ]
     out += [_family_row(f) for f in text_string_to_metric_families(trace_scrape_text())]
+    out += [
+        "",
+        "## Inference engines",
+        "",
+        "The engines' own latency histograms, read from each engine's Prometheus endpoint (found",
+        "from a `vllm serve` command line, or listed under `engines:`), as quantiles over the last",
+        "minute under the engine's metric name; plot them beside the same service's",
+        "`slatrace_request_sched_delay_seconds`. A phase the engine does not expose has no series.",
+        "",
+        "| metric | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    out += [_family_row(f) for f in text_string_to_metric_families(engine_scrape_text())]
     out += [
         "",
         "## HTTP servers",

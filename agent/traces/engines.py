@@ -16,15 +16,20 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from agent.traces.engine_metrics import EngineHistogram, parse_histograms, window_figures
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
+from agent.traces.engine_metrics import QUANTILES, EngineHistogram, parse_histograms, window_figures
+
+__all__ = ["ENGINES_PATH", "EngineCollector", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 << 20
+# The exported quantiles' window, as slatrace_runq_latency_quantile_seconds'.
+QUANTILE_WINDOW_S = 60.0
 
 
 def fetch(url: str, timeout: float = 2.0) -> str:
@@ -113,6 +118,34 @@ class EngineScraper:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+class EngineCollector(Collector):
+    """The engines' own latency quantiles over the last minute, per service
+    and phase, under the engine's metric name: series to plot beside the
+    requests' scheduling delay (slatrace_request_sched_delay_seconds) of the
+    same service. A phase the engine does not expose has no series."""
+
+    def __init__(self, scraper: EngineScraper) -> None:
+        self._scraper = scraper
+
+    def collect(self) -> Iterator[Metric]:
+        quantiles = GaugeMetricFamily(
+            "slatrace_engine_latency_quantile_seconds",
+            "The inference engine's own latency quantiles over the last 60 s, from its Prometheus histograms "
+            "(time to first token, inter-token, queue, prefill, decode, end to end), by phase and the engine's "
+            "metric name; plot beside the same service's request scheduling delay.",
+            labels=["service", "phase", "metric", "quantile"], unit="seconds")
+        for fig in self._scraper.figures(QUANTILE_WINDOW_S):
+            for phase, f in sorted(fig["latency"].items()):
+                for q in QUANTILES:
+                    value = f.get(f"p{round(q * 100)}")
+                    if f["count"] and value is not None:
+                        quantiles.add_metric([fig["service"], phase, f["metric"], str(q)], value)
+        yield quantiles
+        yield CounterMetricFamily("slatrace_engine_scrape_errors", "Scrapes of an inference engine's metrics "
+                                  "that failed (engine down, or not Prometheus text); logged once per engine.",
+                                  value=self._scraper.errors)
 
 
 def requests_figures(docs: list[dict], start: float, end: float) -> dict:

@@ -19,7 +19,7 @@ from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
-from agent.traces.engines import EngineScraper, engine_routes, engine_window
+from agent.traces.engines import EngineCollector, EngineScraper, engine_routes, engine_window
 from agent.traces.identity import SpanServices, ThisHost
 from agent.traces.metrics import TraceCollector, TraceCounters
 from agent.traces.otlp_decode import Limits
@@ -98,6 +98,7 @@ class Traces:
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(TraceCollector(self.counters))
+        registry.register(EngineCollector(self.engines))
 
     def start(self) -> None:
         """Bind and serve; OSError when an address cannot be bound."""

@@ -29,6 +29,7 @@ import pytest
 
 from tests.support import needs_kernel
 from tests.support.agent import SLATRACE, REPO, Agent, free_port, http_get, post_traces, wait_for_requests
+from tests.support.engine_metrics import engine_endpoint
 from tests.support.prometheus import dashboard_targets, running_prometheus, substitute
 from tests.support.vllm_tracing import server_env
 from tests.support.tracefs import SchedSwitch, SchedWakeup, TraceRecorder, switch_out_state
@@ -92,7 +93,15 @@ RUNS = (("grpc", "0.15", None, "http://127.0.0.1:{grpc}", False),
 
 
 @pytest.fixture(scope="module")
-def scene(tmp_path_factory):
+def engine_url():
+    """The server's engine metrics: the exposition recorded from a real vLLM,
+    growing as a serving engine's (no engine runs in this tier)."""
+    with engine_endpoint() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def scene(tmp_path_factory, engine_url):
     needs_kernel()
     tmp = tmp_path_factory.mktemp("cfg")
     config = tmp / "slatrace.yaml"
@@ -102,7 +111,9 @@ def scene(tmp_path_factory):
         f"  - name: {SERVER_SERVICE}\n    cgroup: \"/slatrace-test-infer-{os.getpid()}-*\"\n"
         f"  - name: {NOISY_SERVICE}\n    cgroup: \"/slatrace-test-noisy-{os.getpid()}-*\"\n"
         "slos:\n"
-        f"  - service: {SERVER_SERVICE}\n    request_e2e_p99: {E2E_TARGET}\n")
+        f"  - service: {SERVER_SERVICE}\n    request_e2e_p99: {E2E_TARGET}\n"
+        "engines:\n"
+        f"  - service: {SERVER_SERVICE}\n    url: {engine_url}\n")
     # Started as `<dir>/vllm serve ...`, its command line is a vLLM server's.
     vllm = tmp / "vllm"
     vllm.symlink_to(SERVER)

@@ -68,7 +68,8 @@ def _exposed_names() -> tuple[set[str], set[str]]:
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     names, les = set(), set()
-    for fam in text_string_to_metric_families(gen.scrape_text()):
+    text = gen.scrape_text() + gen.engine_scrape_text()
+    for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             names.add(s.name)
             if "le" in s.labels:

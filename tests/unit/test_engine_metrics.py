@@ -136,18 +136,26 @@ def test_the_scraper_reads_a_real_http_endpoint_and_cuts_windows(caplog):
                                                      "delay": {"p50": 0.2, "p95": 0.5, "max": 0.5}}
 
 
-def test_an_engines_window_sits_beside_its_services_requests():
-    from agent.traces.engines import EngineScraper, engine_window
-    from agent.traces.request_store import RequestStore
+def scraped_twice(first: str, second: str):
+    """A scraper of one engine that read `first` at t=100 s and `second` at t=105 s (now)."""
+    from agent.traces.engines import EngineScraper
 
     now = [100.0]
-    texts = iter([exposition((1, 0, 0), 0.2), exposition((1, 1, 0), 0.6)])
+    texts = iter([first, second])
     scraper = EngineScraper(lambda: {"vllm": "http://engine/metrics"}, fetch=lambda url: next(texts),
                             clock=lambda: now[0])
     scraper.scrape_once()
     now[0] = 105.0
     scraper.scrape_once()
-    store = RequestStore(retention_s=60, clock=lambda: now[0])
+    return scraper
+
+
+def test_an_engines_window_sits_beside_its_services_requests():
+    from agent.traces.engines import engine_window
+    from agent.traces.request_store import RequestStore
+
+    scraper = scraped_twice(exposition((1, 0, 0), 0.2), exposition((1, 1, 0), 0.6))
+    store = RequestStore(retention_s=60, clock=lambda: 105.0)
     store.add({"request_id": "a", "service": "vllm", "end": 103.0, "e2e": 0.4, "slo": [],
                "sched": {"delay_seconds": 0.25}})
     store.add({"request_id": "b", "service": "other", "end": 103.0, "e2e": 9.0, "slo": [],
@@ -156,3 +164,25 @@ def test_an_engines_window_sits_beside_its_services_requests():
     assert got["latency"]["e2e"]["count"] == 1 and got["latency"]["e2e"]["mean"] == pytest.approx(0.4)
     assert got["requests"] == {"count": 1, "e2e": {"p50": 0.4, "p95": 0.4, "max": 0.4},
                                "delay": {"p50": 0.25, "p95": 0.25, "max": 0.25}}
+
+
+def test_the_engines_quantiles_are_series_under_their_own_names():
+    """Two scrapes of vLLM's e2e histogram, the second with three more
+    requests between 0.3 and 0.5 s: the last minute's quantiles per phase,
+    the engine's metric name as a label, and the scrape errors counted."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.traces.engines import EngineCollector
+
+    scraper = scraped_twice(exposition((1, 0, 0), 0.2), exposition((1, 3, 0), 1.4))
+    scraper.errors = 2
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(scraper))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    q = {(s.labels["phase"], s.labels["metric"], s.labels["quantile"]): s.value
+         for s in fams["slatrace_engine_latency_quantile_seconds"].samples}
+    assert set(q) == {("e2e", "vllm:e2e_request_latency_seconds", x) for x in ("0.5", "0.95", "0.99")}
+    # The window's three observations all fell in the (0.3, 0.5] bucket.
+    assert 0.3 < q[("e2e", "vllm:e2e_request_latency_seconds", "0.5")] <= 0.5
+    assert [s.value for s in fams["slatrace_engine_scrape_errors"].samples] == [2.0]
