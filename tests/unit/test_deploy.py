@@ -1,24 +1,33 @@
 """deploy/ and the Dockerfile, checked offline: every manifest against the
 Kubernetes API schemas (oldest and newest that kubernetes-validate ships,
 strict), the DaemonSet's least-privilege settings, the agent config, the
-dashboards ConfigMap against dashboards/*.json, and the kustomization."""
+dashboards ConfigMap against dashboards/*.json, the kustomization, and the
+component deploy/secure (rendered with its patches, compared with kustomize,
+validated, and its web configuration loaded by the agent's own parser)."""
 
 from __future__ import annotations
 
+import base64
 import errno
 import importlib.util
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import bcrypt
 import pytest
 import yaml
 from kubernetes_validate import utils as kv
 
 from agent.config import parse_config
+from agent.transport.web_config import load_web_config
+from tests.support.certs import make_ca, make_cert
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -32,11 +41,15 @@ AGENT_PORT = 9477
 
 
 def manifest_files() -> list[Path]:
-    """Every YAML file under deploy/ holding Kubernetes objects (apiVersion and
-    kind), the kustomization itself aside."""
+    """Every YAML file of the base deploy/ holding Kubernetes objects (apiVersion
+    and kind): the kustomization itself aside, and so are the folders with a
+    kustomization of their own (deploy/secure, checked further down)."""
     found = []
     for path in sorted(DEPLOY.rglob("*.y*ml")):
         if path.name == "kustomization.yaml":
+            continue
+        if any((parent / "kustomization.yaml").exists() for parent in path.parents
+               if parent != DEPLOY and parent.is_relative_to(DEPLOY)):
             continue
         docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
         if docs and all(isinstance(d, dict) and "apiVersion" in d and "kind" in d for d in docs):
@@ -81,17 +94,21 @@ def test_kubernetes_validate_ships_several_versions():
     assert tuple(map(int, OLDEST.split("."))) <= (1, 26, 0)
 
 
+def validate_strictly(doc: dict[str, Any], version: str, where: str) -> None:
+    try:
+        kv.validate(doc, version, strict=True)
+    except kv.ValidationError as e:
+        pytest.fail(f"{where}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
+                    f"Kubernetes {version}: {e.message} at {'.'.join(map(str, e.path))}")
+
+
 @pytest.mark.parametrize("version", [OLDEST, NEWEST])
 def test_every_manifest_validates_strictly(version: str):
     checked = 0
     for path, doc in objects():
         if doc["kind"] in CUSTOM_KINDS:
             continue
-        try:
-            kv.validate(doc, version, strict=True)
-        except kv.ValidationError as e:
-            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']} is invalid for "
-                        f"Kubernetes {version}: {e.message} at {'.'.join(map(str, e.path))}")
+        validate_strictly(doc, version, path.name)
         checked += 1
     assert checked >= 8  # Namespace, SA, ClusterRole(Binding), 2 ConfigMaps, DaemonSet, Service
 
@@ -179,31 +196,6 @@ def test_probes_on_the_agent_port(container: dict[str, Any]):
         assert path in PROBES and "httpHeaders" not in get
         port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
         assert port == AGENT_PORT
-
-
-def test_the_commented_web_config_lines_make_a_valid_daemonset():
-    """The lines deploy/daemonset.yaml offers for TLS and basic auth, applied, still validate."""
-    text = (DEPLOY / "daemonset.yaml").read_text()
-    section = text[text.index("# TLS and basic auth"):text.index("# and set `scheme: HTTPS`")]
-    entries: list[str] = []
-    for line in section.splitlines():
-        body = line.strip().removeprefix("#").rstrip()
-        if re.match(r" (args|volumeMounts|volumes):", body):
-            entries.append(body.strip())
-        elif entries and body.startswith("   "):   # a continuation of the entry above
-            entries[-1] += " " + body.strip()
-    patch = yaml.safe_load("\n".join(re.sub(r"\s+#.*$", "", e) for e in entries))
-    ds = json.loads(json.dumps(one("DaemonSet", "slatrace")))
-    pod = ds["spec"]["template"]["spec"]
-    container = pod["containers"][0]
-    container["args"] = patch["args"]
-    container["volumeMounts"] += patch["volumeMounts"]
-    pod["volumes"] += patch["volumes"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        container[probe]["httpGet"]["scheme"] = "HTTPS"
-    kv.validate(ds, NEWEST, strict=True)
-    path = Path(patch["args"][patch["args"].index("--web-config-file") + 1])
-    assert any(path.is_relative_to(m["mountPath"]) for m in patch["volumeMounts"])
 
 
 def test_resources_env_and_scheduling(daemonset: dict[str, Any], container: dict[str, Any]):
@@ -432,3 +424,364 @@ def test_seccomp_profile_is_what_the_generator_makes_from_this_system_call_table
     gen = _gen_seccomp()
     assert json.loads(SECCOMP.read_text()) == gen.profile(gen.syscall_names(UNISTD)), (
         "regenerate with scripts/gen-seccomp-profile.py")
+
+
+# --- deploy/secure: the component that protects the endpoints ------------------
+#
+# Rendered here as kustomize renders it, for the patch kinds the component uses
+# (a strategic merge on the DaemonSet, a JSON patch on the PodMonitor), and
+# compared with a real kustomize (`kubectl kustomize`) where the machine has one.
+
+SECURE = DEPLOY / "secure"
+K8S_1_30 = "1.30.0"
+CERT_MANAGER_KINDS = {"Certificate", "Issuer", "ClusterIssuer"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "ClusterIssuer"}
+# Strategic-merge keys of the pod-spec lists (the Kubernetes API's patchMergeKey);
+# any other list is replaced whole, as kustomize does.
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+SMP_KINDS = {"DaemonSet", "Deployment", "StatefulSet"}
+# The Prometheus Operator's PodMonitor CRD (monitoring.coreos.com/v1), read from
+# its openAPIV3Schema: PodMetricsEndpoint.tlsConfig (SafeTLSConfig), .basicAuth.
+PM_TLS_FIELDS = {"ca", "cert", "insecureSkipVerify", "keySecret", "maxVersion", "minVersion", "serverName"}
+PM_SECRET_OR_CONFIGMAP = {"secret", "configMap"}
+PM_SECRET_KEY_SELECTOR = {"name", "key", "optional"}
+PM_BASIC_AUTH_FIELDS = {"username", "password"}
+# cert-manager.io/v1 Certificate fields the component uses, and its usages' spelling.
+CM_CERT_FIELDS = {"secretName", "dnsNames", "ipAddresses", "commonName", "duration", "renewBefore", "usages",
+                  "privateKey", "issuerRef", "isCA"}
+CM_USAGES = {"signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+             "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+             "server auth", "client auth", "code signing", "email protection", "s/mime", "ipsec end system",
+             "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc"}
+OTLP_SENDER_LABEL = ("slatrace/otlp-sender", "true")
+
+
+def _docs(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _strategic_merge(base: Any, patch: Any, key: str | None = None) -> Any:
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            if v is None:
+                out.pop(k, None)
+            else:
+                out[k] = _strategic_merge(base[k], v, k) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and key in MERGE_KEYS:
+        mk = MERGE_KEYS[key]
+        by_key = {item[mk]: item for item in patch}
+        merged = [_strategic_merge(item, by_key[item[mk]], None) if item[mk] in by_key else item for item in base]
+        # kustomize puts the elements the patch adds before the base's, in the patch's order.
+        added = [item for item in patch if item[mk] not in {b[mk] for b in base}]
+        return added + merged
+    return patch
+
+
+def _json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    doc = json.loads(json.dumps(doc))
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = doc
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+        else:
+            index = last
+        if op["op"] == "test":
+            assert node[index] == op["value"], f"JSON patch test failed at {op['path']}"
+        elif op["op"] == "add":
+            if isinstance(node, list):
+                node.insert(index, op["value"])
+            else:
+                node[index] = op["value"]
+        elif op["op"] == "replace":
+            assert index in node if isinstance(node, dict) else index < len(node), op["path"]
+            node[index] = op["value"]
+        elif op["op"] == "remove":
+            del node[index]
+        else:
+            raise AssertionError(f"JSON patch op {op['op']} is not rendered by this test")
+    return doc
+
+
+def _matches(doc: dict[str, Any], target: dict[str, Any]) -> bool:
+    group, _, version = doc["apiVersion"].rpartition("/")
+    want = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    return all(re.fullmatch(str(v), want[k]) for k, v in target.items() if k in want)
+
+
+def _apply_patches(objs: list[dict[str, Any]], kust: dict[str, Any], root: Path) -> list[dict[str, Any]]:
+    for entry in kust.get("patches", []):
+        patch = yaml.safe_load((root / entry["path"]).read_text())
+        if isinstance(patch, list):  # a JSON patch: only with a target
+            hits = [i for i, o in enumerate(objs) if _matches(o, entry["target"])]
+            assert hits, f"{entry['path']}: its target matches nothing"
+            for i in hits:
+                objs[i] = _json_patch(objs[i], patch)
+        else:  # a strategic merge patch names its target itself
+            assert patch["kind"] in SMP_KINDS, f"{entry['path']}: strategic merge on a kind without a schema here"
+            target = entry.get("target") or {"kind": patch["kind"], "name": patch["metadata"]["name"]}
+            hits = [i for i, o in enumerate(objs) if _matches(o, target)]
+            assert len(hits) == 1, f"{entry['path']}: its target matches {len(hits)} objects"
+            objs[hits[0]] = _strategic_merge(objs[hits[0]], patch)
+    return objs
+
+
+def render(components: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
+    """deploy/kustomization.yaml with `components` added, as `kustomize build` renders it."""
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    objs = [d for r in kust["resources"] for d in _docs(DEPLOY / r)]
+    for comp in components:
+        ck = yaml.safe_load((comp / "kustomization.yaml").read_text())
+        assert ck["kind"] == "Component" and ck["apiVersion"] == "kustomize.config.k8s.io/v1alpha1"
+        objs += [d for r in ck.get("resources", []) for d in _docs(comp / r)]
+        objs = _apply_patches(objs, ck, comp)
+    for o in objs:  # the namespace and images transformers
+        if o["kind"] not in CLUSTER_SCOPED:
+            o["metadata"]["namespace"] = kust["namespace"]
+        for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for image in kust.get("images", []):
+                if c["image"].split(":")[0] == image["name"]:
+                    c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    return objs
+
+
+def _by_id(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    out = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    assert len(out) == len(objs), "two objects of one kind share a name"
+    return out
+
+
+@pytest.fixture(scope="module")
+def secure() -> dict[tuple[str, str], dict[str, Any]]:
+    return _by_id(render((SECURE,)))
+
+
+def _get(objs: dict, kind: str, name: str) -> dict[str, Any]:
+    assert (kind, name) in objs, f"{kind}/{name} is not in the rendered deploy/secure"
+    return objs[(kind, name)]
+
+
+def _secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**data, **(secret.get("stringData") or {})}
+
+
+def test_secure_is_a_component_the_default_deploy_leaves_out():
+    kust = yaml.safe_load((SECURE / "kustomization.yaml").read_text())
+    assert kust["apiVersion"] == "kustomize.config.k8s.io/v1alpha1" and kust["kind"] == "Component"
+    listed = set(kust["resources"]) | {p["path"] for p in kust["patches"]}
+    on_disk = {p.name for p in SECURE.glob("*.y*ml")} - {"kustomization.yaml"}
+    assert listed == on_disk, "every file of deploy/secure is a resource or a patch, and exists"
+    # Without cert-manager the default deploy keeps working: nothing of the component is in it.
+    base = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    assert "components" not in base
+    kinds = {o["kind"] for o in render()}
+    assert not kinds & (CERT_MANAGER_KINDS | {"NetworkPolicy", "Secret"})
+    base_ds = one("DaemonSet", "slatrace")["spec"]["template"]["spec"]["containers"][0]
+    assert "--web-config-file" not in base_ds["args"]
+    assert "scheme" not in base_ds["readinessProbe"]["httpGet"]
+
+
+def test_render_of_the_base_is_the_manifests():
+    # The renderer adds nothing of its own to the base but the namespace.
+    expected = [json.loads(json.dumps(d)) for _, d in objects()]
+    for d in expected:
+        if d["kind"] not in CLUSTER_SCOPED:
+            d["metadata"].setdefault("namespace", "slatrace")
+    assert _by_id(render()) == _by_id(expected)
+
+
+def _kubectl_kustomize(root: Path) -> list[dict[str, Any]]:
+    if not shutil.which("kubectl"):
+        pytest.skip("no kubectl on this machine: its kustomize is what this test compares with")
+    out = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_secure_render_is_what_kustomize_builds(tmp_path: Path, secure: dict):
+    # As an operator enables it: an overlay of their own beside the checkout ...
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+         # kustomize takes relative paths only
+         "resources": [os.path.relpath(DEPLOY, overlay)], "components": [os.path.relpath(SECURE, overlay)]}))
+    assert _by_id(_kubectl_kustomize(overlay)) == secure
+    # ... or `components: [secure]` in deploy/kustomization.yaml itself.
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    kust = yaml.safe_load((copy / "kustomization.yaml").read_text())
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump({**kust, "components": ["secure"]}))
+    assert _by_id(_kubectl_kustomize(copy)) == secure
+    # And the base alone.
+    assert _by_id(_kubectl_kustomize(DEPLOY)) == _by_id(render())
+
+
+@pytest.mark.parametrize("version", [K8S_1_30, NEWEST])
+def test_secure_render_validates_strictly(version: str, secure: dict):
+    assert version in KV_VERSIONS
+    checked = set()
+    for (kind, _), doc in secure.items():
+        if kind in CUSTOM_KINDS | CERT_MANAGER_KINDS:
+            continue
+        validate_strictly(doc, version, "deploy/secure")
+        checked.add(kind)
+    assert {"DaemonSet", "Secret", "NetworkPolicy"} <= checked
+
+
+def test_secure_daemonset_mounts_the_secrets_and_passes_the_flag(secure: dict):
+    ds = _get(secure, "DaemonSet", "slatrace")
+    pod = ds["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    base_c = one("DaemonSet", "slatrace")["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    # The base's arguments are kept, the flag added.
+    assert args[:len(base_c["args"])] == base_c["args"]
+    web_path = Path(args[args.index("--web-config-file") + 1])
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+
+    def secret_behind(path: Path) -> tuple[dict[str, Any], str]:
+        mount_path = next(m for m in mounts if path.is_relative_to(m))
+        mount = mounts[mount_path]
+        assert mount.get("readOnly") is True and "subPath" not in mount, \
+            f"{mount_path}: mounted read-only and whole (a subPath mount never sees the Secret's updates)"
+        volume = volumes[mount["name"]]
+        assert "secret" in volume, f"{mount_path} is not a Secret volume"
+        return volume["secret"], str(path.relative_to(mount_path))
+
+    web_secret, key = secret_behind(web_path)
+    assert web_secret["secretName"] == "slatrace-web"
+    assert key in _secret_data(_get(secure, "Secret", "slatrace-web"))
+    # Every file the web configuration names is in a mounted Secret that holds that key.
+    web = yaml.safe_load(_secret_data(_get(secure, "Secret", "slatrace-web"))[key])
+    tls = web["tls_server_config"]
+    for field in ("cert_file", "key_file", "client_ca_file"):
+        if field in tls:
+            src, file_key = secret_behind(Path(tls[field]))
+            assert src["secretName"] == "slatrace-tls"
+            assert file_key in {"tls.crt", "tls.key", "ca.crt"}  # kubernetes.io/tls, as cert-manager writes it
+    # Probes over HTTPS, on the same paths and port; nothing else of the container changed.
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {**base_c[probe]["httpGet"], "scheme": "HTTPS"}
+    for field in ("securityContext", "ports", "resources", "image"):
+        assert c[field] == base_c[field]
+    assert set(m["mountPath"] for m in base_c["volumeMounts"]) < set(mounts)
+    assert {e["name"]: e for e in c["env"]}["SLATRACE_CA_FILE"]["value"] == "/etc/slatrace-tls/ca.crt"
+
+
+def test_secure_tls_secret_comes_from_cert_manager(secure: dict):
+    cert = next(o for (k, _), o in secure.items() if k == "Certificate" and o["spec"]["secretName"] == "slatrace-tls")
+    spec = cert["spec"]
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    assert set(spec) <= CM_CERT_FIELDS and set(spec.get("usages", [])) <= CM_USAGES
+    assert "server auth" in spec["usages"] and not spec.get("isCA")
+    assert set(spec["issuerRef"]) <= {"name", "kind", "group"}
+    issuer = _get(secure, spec["issuerRef"]["kind"], spec["issuerRef"]["name"])
+    # A CA issuer, so that cert-manager writes ca.crt into slatrace-tls.
+    ca = next(o for (k, _), o in secure.items() if k == "Certificate"
+              and o["spec"]["secretName"] == issuer["spec"]["ca"]["secretName"])
+    assert ca["spec"]["isCA"] is True and set(ca["spec"]) <= CM_CERT_FIELDS
+    root = _get(secure, ca["spec"]["issuerRef"]["kind"], ca["spec"]["issuerRef"]["name"])
+    assert root["spec"] == {"selfSigned": {}}
+    # What clients verify the certificate by is among its names.
+    pm = _get(secure, "PodMonitor", "slatrace")["spec"]["podMetricsEndpoints"][0]
+    svc = _get(secure, "Service", "slatrace")
+    assert pm["tlsConfig"]["serverName"] in spec["dnsNames"]
+    assert f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc" in spec["dnsNames"]
+    assert "localhost" in spec["dnsNames"]  # the CLI in the pod (SLATRACE_CA_FILE)
+
+
+def test_secure_podmonitor_scrapes_https_with_the_operators_fields(secure: dict):
+    pm = _get(secure, "PodMonitor", "slatrace")
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    base_ep = one("PodMonitor", "slatrace")["spec"]["podMetricsEndpoints"][0]
+    assert {k: v for k, v in ep.items() if k not in ("scheme", "tlsConfig", "basicAuth")} == base_ep
+    assert ep["scheme"] == "https"
+    assert set(ep["tlsConfig"]) <= PM_TLS_FIELDS and "insecureSkipVerify" not in ep["tlsConfig"]
+    (source,) = ep["tlsConfig"]["ca"].items()
+    assert source[0] in PM_SECRET_OR_CONFIGMAP and set(source[1]) <= PM_SECRET_KEY_SELECTOR
+    assert source[1] == {"name": "slatrace-tls", "key": "ca.crt"}
+    assert set(ep["basicAuth"]) == PM_BASIC_AUTH_FIELDS
+    creds = {}
+    for field, ref in ep["basicAuth"].items():
+        assert set(ref) <= PM_SECRET_KEY_SELECTOR and {"name", "key"} <= set(ref)
+        secret = _get(secure, "Secret", ref["name"])
+        assert secret["metadata"]["namespace"] == pm["metadata"]["namespace"]  # where the operator reads it
+        creds[field] = _secret_data(secret)[ref["key"]]
+    # The example's scrape password is the one whose hash the agent's web configuration holds.
+    web = yaml.safe_load(_secret_data(_get(secure, "Secret", "slatrace-web"))["web.yml"])
+    hashed = web["basic_auth_users"][creds["username"]]
+    assert bcrypt.checkpw(creds["password"].encode(), hashed.encode())
+    # And both say they are an example to replace.
+    for name in ("web-config-secret.yaml", "scrape-secret.yaml"):
+        assert "REPLACE" in (SECURE / name).read_text()
+
+
+@pytest.mark.parametrize("variant", ["as shipped", "client certificates"])
+def test_secure_web_config_loads_in_the_agent(tmp_path: Path, secure: dict, variant: str):
+    """The agent's own parser accepts the example web configuration, with the
+    files it names made at their mounted paths under tmp_path."""
+
+    text = _secret_data(_get(secure, "Secret", "slatrace-web"))["web.yml"]
+    if variant == "client certificates":  # the commented alternative in the Secret
+        text, n = re.subn(r"# (client_auth_type|client_ca_file):", r"\1:", text)
+        assert n == 2
+    web = yaml.safe_load(text)
+    tls_dir = tmp_path / "etc/slatrace-tls"
+    tls_dir.mkdir(parents=True)
+    cert = next(o for (k, _), o in secure.items() if k == "Certificate" and o["spec"]["secretName"] == "slatrace-tls")
+    make_ca(tls_dir, "ca")
+    san = ",".join([f"DNS:{n}" for n in cert["spec"]["dnsNames"]] + [f"IP:{ip}" for ip in cert["spec"]["ipAddresses"]])
+    made = make_cert(tls_dir, "tls", "ca", "serverAuth", san=san)
+    assert made == (tls_dir / "tls.crt", tls_dir / "tls.key")  # the names of a kubernetes.io/tls Secret
+    for field in ("cert_file", "key_file", "client_ca_file"):
+        if field in web["tls_server_config"]:
+            path = web["tls_server_config"][field]
+            assert path.startswith("/etc/slatrace-tls/")
+            web["tls_server_config"][field] = str(tmp_path / path.lstrip("/"))
+    web_file = tmp_path / "etc/slatrace-web/web.yml"
+    web_file.parent.mkdir(parents=True)
+    web_file.write_text(yaml.safe_dump(web))
+    loaded = load_web_config(str(web_file))
+    assert loaded.tls is not None
+    assert loaded.tls.client_auth_type == ("VerifyClientCertIfGiven" if variant == "client certificates"
+                                           else "NoClientCert")
+    # Never RequireAndVerifyClientCert: the kubelet's probes carry no certificate.
+    assert not loaded.tls.requires_client_cert
+    assert [u for u, _ in loaded.users] == ["prometheus"]
+
+
+def test_secure_networkpolicy_admits_prometheus_to_the_api_and_senders_to_otlp(secure: dict):
+    np = _get(secure, "NetworkPolicy", "slatrace")
+    spec = np["spec"]
+    pod = _get(secure, "DaemonSet", "slatrace")["spec"]["template"]
+    assert spec["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"]  # the agent's own connections stay open
+    ports = {p["containerPort"]: p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    admitted: dict[int, list[dict]] = {}
+    for rule in spec["ingress"]:
+        # A rule without `from` or without `ports` would open every peer or every port.
+        assert rule.get("from") and rule.get("ports"), rule
+        for p in rule["ports"]:
+            assert p["protocol"] == "TCP" and p["port"] in ports
+            admitted.setdefault(p["port"], []).extend(rule["from"])
+    assert set(admitted) == {AGENT_PORT, 4317, 4318}
+    (prom,) = admitted[AGENT_PORT]
+    # One peer with both selectors: Prometheus' pods in its namespace (two peers would be OR).
+    assert set(prom) == {"namespaceSelector", "podSelector"}
+    assert set(prom["namespaceSelector"]["matchLabels"]) == {"kubernetes.io/metadata.name"}
+    assert prom["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    for port in (4317, 4318):
+        (sender,) = admitted[port]
+        assert sender == {"namespaceSelector": {}, "podSelector": {"matchLabels": dict([OTLP_SENDER_LABEL])}}
+    # deploy/README.md names the label and says what the policy cannot express.
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"{OTLP_SENDER_LABEL[0]}: \"{OTLP_SENDER_LABEL[1]}\"" in readme
+    assert "cannot" in readme.split("NetworkPolicy", 1)[1]
