@@ -235,13 +235,15 @@ class ServiceTable:
                             self.counters, self.cg_svc, self.cg_id)
 
     def without(self, names: set[str]) -> ServiceTable:
-        """This table without the services named (they may stay as culprits),
-        and without names nothing refers to any more."""
+        """This table without the services named, as victims and as culprits
+        (a dead service's series leave /metrics with it, including those of
+        the live victims it once delayed), and without names nothing refers
+        to any more."""
         drop = np.array([n in names for n in self.names], bool)
-        if not len(self.active) or not drop[self.active].any():
+        if not drop.any() or not (drop[self.active].any() or drop[self.b_culprit].any()):
             return self
         h = ~drop[self.h_svc]
-        b = ~drop[self.b_victim]
+        b = ~drop[self.b_victim] & ~drop[self.b_culprit]
         c = ~drop[self.cg_svc]
         active = self.active[~drop[self.active]]
         return _compact(ServiceTable(self.names, active, self.h_svc[h], self.h_kind[h], self.h_slot[h],

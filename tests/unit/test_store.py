@@ -353,3 +353,20 @@ def test_totals_read_before_and_after_their_pending_intervals_merge() -> None:
     assert totals["web"].cgroups == store.cgroups("web")
     # Merged, and read again: the same figures.
     assert store.totals()["web"].runq == totals["web"].runq
+
+
+def test_a_service_gone_for_the_retention_leaves_the_totals_as_a_culprit_too() -> None:
+    """batch delays web, then dies; web lives on. After the retention batch is
+    gone from the totals as a victim and as web's culprit, so none of its
+    series stays in /metrics; web's own counts stay whole."""
+    store = Store(retention_s=2.5, clock=lambda: 1006.0)
+    resolver = CountingResolver()
+    store.ingest(snap(0), resolver)
+    store.ingest(snap(1, hists={(WEB_A, R): {20: Bucket(2, 1200)}, (BATCH, R): {40: Bucket(4, 20000)}},
+                      pairs={(WEB_A, BATCH): PairCounters(2, 1200)}), resolver)
+    assert store.totals()["web"].preempted_by["batch"] == PairCounters(2, 1200)
+    for t in range(2, 7):   # web alone
+        store.ingest(snap(t, hists={(WEB_A, R): {20: Bucket(1, 600)}}), resolver)
+    totals = store.totals()
+    assert "batch" not in totals and "batch" not in totals["web"].preempted_by
+    assert totals["web"].runq.count == 2 + 5
