@@ -90,22 +90,23 @@ def run_mode(mode: str, seconds: float) -> dict:
             # The victim waits in its cgroup for the go, and the recording
             # starts then. Its shell's start-up waits (many in a guest, where
             # binaries are read over 9p) fall before or after its move into the
-            # cgroup, so the agent charges some of them to the victim; they are
-            # collected before the go and taken off (row["agent_before"]).
+            # cgroup, so the agent charges some of them to the victim: they are
+            # collected in intervals that end before the go, and the agent is
+            # asked for the intervals after it.
             victim = victim_cg.spawn(["/bin/sh", "-c", 'read go; exec "$@"', "sh", "nice", "-n", str(VICTIM_NICE),
                                       "taskset", "-c", str(SHARED_CPU),
                                       *victim_argv(seconds, sleep_ms=2.0, work_ms=0.5)], stdin=subprocess.PIPE)
             _wait_blocked_in(victim_cg, victim.pid)
             _wait_collections(agent, 2)
-            before = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
-            row["agent_before"] = before[0]["runq"] if before else {"count": 0, "wait_seconds": 0.0}
             with TraceRecorder() as rec:
+                go = time.time()
                 victim.stdin.write(b"go\n")
                 victim.stdin.close()
                 wait_zombie(victim.pid, timeout=seconds * 4 + 60)
                 tids = {int(t) for t in os.listdir(f"/proc/{victim.pid}/task")}
                 _wait_collections(agent, 2)  # the victim's last waits are collected
-                records = agent.get_json("/api/v1/attribution?service=victim&since=600")["attribution"]
+                since = time.time() - go
+                records = agent.get_json(f"/api/v1/attribution?service=victim&since={since:.3f}")["attribution"]
                 status, body = agent_get(agent, "/metrics")
                 readyz = agent_get(agent, "/readyz")
             victim.wait()

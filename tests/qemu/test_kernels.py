@@ -116,9 +116,7 @@ def summary(name: str, doc: dict) -> str:
              f"({doc.get('seconds', 0):.0f} s in the scene)"]
     for row in doc.get("rows", []):
         a, r = (row.get("agent") or {}).get("runq", {}), row.get("reference", {})
-        b = row.get("agent_before") or {"count": 0, "wait_seconds": 0.0}
-        lines.append(f"  {row['mode']}: agent {a.get('count', 0) - b['count']} waits "
-                     f"{a.get('wait_seconds', 0) - b['wait_seconds']:.4f} s "
+        lines.append(f"  {row['mode']}: agent {a.get('count')} waits {a.get('wait_seconds', 0):.4f} s "
                      f"p99 {a.get('p99', 0) * 1e3:.2f} ms | reference {r.get('count')} waits "
                      f"{r.get('wait_seconds', 0):.4f} s p99 {(r.get('p99') or 0) * 1e3:.2f} ms gaps {r.get('gaps')}"
                      f" | map errors {sum(row.get('map_errors', {}).values()):.0f}, missing "
@@ -153,15 +151,15 @@ def judge_mode(name: str, row: dict) -> None:
     where = f"{name} {row['mode']}"
     assert "start_error" not in row, f"{where}: {row['start_error']}"
     assert row["agent"] is not None, f"{where}: the agent has no record of the victim"
-    runq, before, ref = row["agent"]["runq"], row["agent_before"], row["reference"]
-    count, wait = runq["count"] - before["count"], runq["wait_seconds"] - before["wait_seconds"]
+    runq, ref = row["agent"]["runq"], row["reference"]
     assert ref["count"] > 300, f"{where}: the victim hardly waited; the scene is broken: {ref}"
     # One for one, but for the waits no tracepoint showed (the reference
-    # counts them as gaps). The victim's shell's waits before the recording
-    # (row["agent_before"]) are taken off; its P99 is over all its waits.
-    assert abs(count - ref["count"]) <= ref["gaps"] + SLACK, f"{where}: {count} waits ({runq}) vs {ref}"
-    assert wait == pytest.approx(ref["wait_seconds"], rel=0.05), where
-    assert runq["p99"] == pytest.approx(ref["p99"], rel=0.05), where
+    # counts them as gaps); the agent's record covers the intervals after the go.
+    assert abs(runq["count"] - ref["count"]) <= ref["gaps"] + SLACK, f"{where}: {runq} vs {ref}"
+    assert runq["wait_seconds"] == pytest.approx(ref["wait_seconds"], rel=0.05), where
+    # The agent's quantile is interpolated within a histogram slot: 1/16 of
+    # a power of two, at most 6.25% wide.
+    assert runq["p99"] == pytest.approx(ref["p99"], rel=0.0625), where
     culprits = row["agent"]["blame"]["culprits"]
     hog = next((c for c in culprits if c["service"] == "hog"), None)
     # On the host other work may share the CPU (helpers, CI's own processes).
