@@ -46,6 +46,7 @@ from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 from agent.transport.access import WebAccess
 from agent.transport.server import parse_listen, raise_fd_limit
 from agent.transport.web_config import WebConfigError
+from agent.workers import not_running
 
 if TYPE_CHECKING:
     from agent.export.otlp import OtlpMetricsExporter
@@ -116,7 +117,8 @@ class Daemon:
         self.state = AgentState(config=config, store=self.store, registry=self.registry,
                                 describe_services=self._describe_services,
                                 throttled_between=self.throttle.between,
-                                breaches_between=self.breaches.between)
+                                breaches_between=self.breaches.between,
+                                workers_down=not_running)
         # One family per metric name: request SLO breaches (counted by the
         # traces subsystem) are added to interval breaches here.
         self._collector = SlatraceCollector(self.store, sources=Sources(

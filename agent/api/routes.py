@@ -43,7 +43,8 @@ def wants_openmetrics(accept: str) -> bool:
 @dataclass
 class AgentState:
     """What the API reads. `ready` flips once the programs are attached and
-    one interval has been collected; `failure` is set when collection stops."""
+    one interval has been collected; `failure` is set when collection stops;
+    `workers_down` names the background workers that should run and do not."""
 
     config: Config
     store: Store
@@ -60,6 +61,7 @@ class AgentState:
     breaches_between: Callable[[float, float], dict[tuple[str, str], int]] | None = None
     # (since seconds, service or None) -> the inference engines' own figures, one entry per service
     engines_since: Callable[[float, str | None], list[dict]] | None = None
+    workers_down: Callable[[], list[str]] | None = None
 
 
 class Api:
@@ -91,15 +93,24 @@ class Api:
         except QueryError as e:
             return error(400, str(e))
 
+    def _failing(self) -> str | None:
+        """Why a restart is wanted: collections failing, or workers dead for good."""
+        said = [self.state.failure] if self.state.failure else []
+        down = self.state.workers_down() if self.state.workers_down is not None else []
+        if down:
+            said.append("workers not running: " + ", ".join(down))
+        return "; ".join(said) or None
+
     def _livez(self, query) -> Response:
-        if self.state.failure:
-            return Response(503, f"failing: {self.state.failure}\n".encode(), "text/plain")
+        failing = self._failing()
+        if failing:
+            return Response(503, f"failing: {failing}\n".encode(), "text/plain")
         return Response(200, b"ok\n", "text/plain")
 
     def _readyz(self, query) -> Response:
         if self.state.degraded:
             return Response(503, f"not ready: {self.state.degraded}\n".encode(), "text/plain")
-        if self.state.ready and not self.state.failure:
+        if self.state.ready and not self._failing():
             return Response(200, b"ready\n", "text/plain")
         return Response(503, b"not ready: BPF programs attaching or first interval not collected yet\n",
                         "text/plain")

@@ -65,9 +65,11 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert levels["agent.identity"] < levels["agent.config"] < levels["agent.attribution"]
     assert levels["agent.attribution"] < levels["agent.traces"]
     # The transport (HTTP/TLS/auth) is a floor of its own under both apps that
-    # serve HTTP; neither reaches into the other for it.
+    # serve HTTP; neither reaches into the other for it. Background work (one
+    # worker shape) is a floor below everything that runs a thread.
     graph = package_graph()
-    assert graph["agent.transport"] <= {"agent.errors"}
+    assert graph["agent.transport"] <= {"agent.errors", "agent.workers"}
+    assert graph.get("agent.workers", set()) == set() and levels["agent.workers"] == 0
     assert levels["agent.transport"] < min(levels["agent.api"], levels["agent.traces"])
     assert "agent.api" not in graph["agent.traces"] and "agent.traces" not in graph["agent.api"]
 
