@@ -24,10 +24,11 @@ from agent.api.server import HttpServer
 from agent.bpf_stats import BpfStatsSampler
 from agent.config import Config
 from agent.errors import SlatraceError
-from agent.export.figures import AgentStats, HistogramPoint, Sources, summed
+from agent.export.figures import AgentStats, Bucketed, Sources, summed
 from agent.export.otlp_settings import OtlpConfigError
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.export.servers import ServerCollector
+from agent.export.traces import EngineCollector, TraceCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
@@ -151,7 +152,7 @@ class Daemon:
     def _request_slos(self) -> dict[tuple[str, str], tuple[float, float | None, bool]]:
         return self._traces.counters.slo_status() if self._traces else {}
 
-    def _request_delays(self) -> dict[str, HistogramPoint]:
+    def _request_delays(self) -> dict[str, Bucketed]:
         return self._traces.counters.delay_points() if self._traces else {}
 
     def _service_of(self, cgid: int) -> str:
@@ -262,7 +263,8 @@ class Daemon:
                                   otlp_endpoint=self.options.otlp_endpoint,
                                   otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods,
                                   access=self._access)
-            self._traces.register(self.registry)
+            self.registry.register(TraceCollector(self._traces.counters))
+            self.registry.register(EngineCollector(self._traces.engines))
             self.state.extra_routes.update(self._traces.routes())
             self.state.engines_since = self._traces.engines_since
             self._traces.start()

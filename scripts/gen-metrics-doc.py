@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Write docs/metrics.md from the code: a collector run over a small synthetic store.
+"""Write docs/metrics.md from the metric catalog (agent/export/catalog.py).
 
     scripts/gen-metrics-doc.py            rewrite docs/metrics.md
     scripts/gen-metrics-doc.py --check    exit 1 if the committed file differs
 
-Names, types, labels and help come from what the collector actually exposes,
-not from a hand-kept list, and the histogram_quantile accuracy table is
-recomputed from seeded synthetic data, so the document cannot drift from the
-code (tests/unit/test_prometheus_export.py runs --check's comparison).
+Names, types, labels, help and sources come from the catalog every collector
+writes from; the collector runs below (every family with every label filled)
+let tests/unit/test_catalog.py check that the collectors expose exactly the
+catalog. The histogram_quantile accuracy table is recomputed from seeded
+synthetic data, so the document cannot drift from the code
+(tests/unit/test_prometheus_export.py runs --check's comparison).
 """
 
 from __future__ import annotations
@@ -24,26 +26,27 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from agent.transport.server import ServerStats  # noqa: E402
 from agent.config import Slo  # noqa: E402
+from agent.export import catalog  # noqa: E402
+from agent.export.catalog import QUANTILE_WINDOW_S, MetricSpec  # noqa: E402
 from agent.export.figures import (  # noqa: E402
-    CATALOG,
-    QUANTILE_WINDOW_S,
     SERIES_PER_SERVICE,
     TOP_CULPRITS,
     AgentStats,
     Sources,
     histogram_point,
 )
+from agent.export.otlp import _ExportStatsCollector  # noqa: E402
 from agent.export.prometheus import SlatraceCollector  # noqa: E402
 from agent.export.servers import ServerCollector  # noqa: E402
+from agent.export.traces import EngineCollector, TraceCollector  # noqa: E402
 from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
-from agent.traces.engines import EngineCollector, EngineScraper  # noqa: E402
-from agent.traces.metrics import TraceCollector, TraceCounters  # noqa: E402
+from agent.traces.engines import EngineScraper  # noqa: E402
+from agent.traces.metrics import TraceCounters  # noqa: E402
 
 DOC = REPO / "docs" / "metrics.md"
 QS = (0.5, 0.9, 0.95, 0.99)
@@ -122,12 +125,35 @@ def server_scrape_text() -> str:
     return generate_latest(registry).decode()
 
 
-def _family_row(fam) -> str:
-    seen = sorted({k for s in fam.samples for k in s.labels if k not in ("le", "quantile")})
-    extra = {"histogram": ["le"], "summary": ["quantile"]}.get(fam.type, [])
-    labels = ", ".join(f"`{k}`" for k in seen + extra) or "—"
-    name = fam.name + ("_total" if fam.type == "counter" else "")
-    return f"| `{name}` | {fam.type} | {labels} | {fam.documentation} |"
+def otlp_export_scrape_text() -> str:
+    """The OTLP metrics exporter's own families."""
+    exporter = SimpleNamespace(stats=SimpleNamespace(exports=3, failures=1, dropped_points=40),
+                               settings=SimpleNamespace(endpoint="http://collector:4317"))
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_ExportStatsCollector(exporter))
+    return generate_latest(registry).decode()
+
+
+def all_scrapes_text() -> str:
+    """Every collector's exposition, every catalog family with points."""
+    return scrape_text() + trace_scrape_text() + engine_scrape_text() + server_scrape_text() + \
+        otlp_export_scrape_text()
+
+
+# The document's tables, in order: each part of the catalog once.
+SECTIONS = (catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT)
+
+
+def _family_row(spec: MetricSpec) -> str:
+    extra = {"histogram": ["le"], "summary": ["quantile"]}.get(spec.type, [])
+    labels = ", ".join(f"`{k}`" for k in sorted(spec.labels) + extra) or "—"
+    names = " ".join(f"`{n}`" for n in spec.exposed_names)
+    return f"| {names} | {spec.type} | {labels} | {spec.help} | {spec.source} |"
+
+
+def _table(specs: Sequence[MetricSpec]) -> list[str]:
+    return ["| metric | type | labels | help | source |", "|---|---|---|---|---|",
+            *(_family_row(spec) for spec in specs)]
 
 
 def prometheus_quantile(q: float, bounds: Sequence[float], cumulative: Sequence[int]) -> float:
@@ -184,12 +210,14 @@ def _fmt_seconds(s: float) -> str:
 
 
 def render() -> str:
-    families = {f.name: f for f in text_string_to_metric_families(scrape_text())}
-    specs = {s.name: s for s in CATALOG}
+    declared = [spec.name for section in SECTIONS for spec in section]
+    assert sorted(declared) == sorted(spec.name for spec in catalog.FAMILIES), \
+        "every family of the catalog belongs to exactly one section of the document"
+    scheduler, traces, engines, servers, otlp_export = SECTIONS
     out = [
         "# slatrace metrics",
         "",
-        "<!-- Generated by scripts/gen-metrics-doc.py from a collector run; do not edit by hand. -->",
+        "<!-- Generated by scripts/gen-metrics-doc.py from agent/export/catalog.py; do not edit by hand. -->",
         "",
         "Served at `GET /metrics` in the Prometheus text format (0.0.4), or as OpenMetrics 1.0 when",
         "the scraper asks for it (`Accept: application/openmetrics-text`, as Prometheus does by",
@@ -201,19 +229,7 @@ def render() -> str:
         "counted under `other`. Series for a service appear once it has been seen scheduling and",
         "leave once it has not been seen for the retention.",
         "",
-        "| metric | type | labels | help | source |",
-        "|---|---|---|---|---|",
-    ]
-    for spec in CATALOG:
-        fam = families[spec.name]
-        seen = sorted({k for s in fam.samples for k in s.labels if k not in ("le", "quantile")})
-        extra = {"histogram": ["le"], "summary": ["quantile"]}.get(fam.type, [])
-        labels = ", ".join(f"`{k}`" for k in seen + extra) or "—"
-        names = " ".join(f"`{n}`" for n in spec.exposed_names)
-        out.append(f"| {names} | {fam.type} | {labels} | {fam.documentation} | {spec.source} |")
-    assert set(families) == set(specs), "catalog and exposition disagree"
-
-    out += [
+        *_table(scheduler),
         "",
         "## OTLP trace receiver",
         "",
@@ -222,11 +238,7 @@ def render() -> str:
         "connection (README.md); `slatrace_otlp_spans_unresolved_total` counts the spans that",
         "could not be, and the agent logs one warning per reason every few minutes naming the fix.",
         "",
-        "| metric | type | labels | help |",
-        "|---|---|---|---|",
-    ]
-    out += [_family_row(f) for f in text_string_to_metric_families(trace_scrape_text())]
-    out += [
+        *_table(traces),
         "",
         "## Inference engines",
         "",
@@ -235,22 +247,21 @@ def render() -> str:
         "minute under the engine's metric name; plot them beside the same service's",
         "`slatrace_request_sched_delay_seconds`. A phase the engine does not expose has no series.",
         "",
-        "| metric | type | labels | help |",
-        "|---|---|---|---|",
-    ]
-    out += [_family_row(f) for f in text_string_to_metric_families(engine_scrape_text())]
-    out += [
+        *_table(engines),
         "",
         "## HTTP servers",
         "",
         "The API server and the OTLP/HTTP receiver count their connections (`server` is `http` or",
         "`otlp-http`); RELIABILITY.md has the attacks these outcomes were built for.",
         "",
-        "| metric | type | labels | help |",
-        "|---|---|---|---|",
-    ]
-    out += [_family_row(f) for f in text_string_to_metric_families(server_scrape_text())]
-    out += [
+        *_table(servers),
+        "",
+        "## OTLP metrics export",
+        "",
+        "With `--otlp-endpoint`, the exporter that pushes the figures above counts its own exports",
+        "beside them (`endpoint` is where they go).",
+        "",
+        *_table(otlp_export),
         "",
         "Sources: `store` is computed from the BPF maps through the store; `config slos` needs",
         "SLOs in the config file; `hook: ...` is filled by the subsystem that owns the figure",

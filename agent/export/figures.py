@@ -1,7 +1,8 @@
-"""Metric figures computed from the store: one catalog, one computation, many exporters.
+"""Metric figures computed from the store: one computation, many exporters.
 
-The Prometheus collector turns the `Family` list into its metric families (and
-/metrics text); the OTLP metrics exporter reads those same families back from
+The families are declared in agent/export/catalog.py (its SCHEDULER part); the
+Prometheus collector turns the `Family` list computed here into its metric
+families (and /metrics text); the OTLP metrics exporter reads those same families back from
 the Prometheus registry. A figure (a bucket count, a wait total, a quantile) is
 thus computed in exactly one place and the two exports cannot disagree. Pure:
 no host access, no bcc, nothing at import time.
@@ -18,23 +19,51 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Protocol
 
 import numpy as np
 
 from agent import __version__
 from agent.attribution.slo import judge_slos
 from agent.config import Slo
+from agent.export.catalog import (
+    BPF_EVENTS,
+    BPF_RUN,
+    BUILD_INFO,
+    INTERVALS,
+    IOWAIT,
+    LOST_WAITS,
+    MAP_ERRORS,
+    MIGRATIONS,
+    POLL_DURATION,
+    POLL_ERRORS,
+    PREEMPTED_WAIT,
+    PREEMPTIONS,
+    QUANTILE_WINDOW_S,
+    REQUEST_SCHED_DELAY,
+    RUNQ_LATENCY,
+    RUNQ_QUANTILE,
+    RUNQ_WAIT,
+    SCHEDULER,
+    SERVICES_TRACKED,
+    SLO_BREACHES,
+    SLO_OK,
+    SLO_TARGET,
+    SLO_VALUE,
+    THROTTLED,
+    UNTRACED,
+    WAITS_MISSING,
+    WAITS_SEEN,
+    WAKEUP_WAIT,
+    MetricSpec,
+)
 from agent.probe.layout import ERROR_MAPS
 from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ
 from agent.store.histogram import Histogram, classic_bounds, cumulative_counts
 from agent.store.store import IDLE, ServiceWindow, Store
 from agent.store.table import ServiceTable, counter_row, quantiles, sum_by
 
-MetricType = Literal["counter", "gauge", "histogram", "summary"]
-
 QUANTILES = (0.5, 0.95, 0.99)
-QUANTILE_WINDOW_S = 60.0
 # Untraced-event kinds: the kernel's cgroup_val counts untraced_<kind>.
 UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
 # What full kernel maps could not record: cgroup_val's lost_<kind> (and _ns).
@@ -44,30 +73,6 @@ LOST_KINDS = ("runq", "iowait", "blame")
 TOP_CULPRITS = 3
 # The most series one service costs without buckets (docs/metrics.md counts them).
 SERIES_PER_SERVICE = 30
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric as users see it. `name` is the base name: a counter is
-    exposed to Prometheus as name + "_total", a histogram as its _bucket/_sum/_count."""
-
-    name: str
-    type: MetricType
-    help: str
-    labels: tuple[str, ...]
-    unit: str = ""          # UCUM-ish unit for OTLP: "s", "1"
-    source: str = "store"   # where the figure comes from (for the docs)
-
-    @property
-    def exposed_names(self) -> tuple[str, ...]:
-        """The sample names a Prometheus scrape shows for this metric."""
-        if self.type == "counter":
-            return (self.name + "_total",)
-        if self.type == "histogram":
-            return tuple(self.name + s for s in ("_bucket", "_sum", "_count"))
-        if self.type == "summary":
-            return (self.name, self.name + "_sum", self.name + "_count")
-        return (self.name,)
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,15 @@ class AgentStats:
     waits_missing: Mapping[str, int] = field(default_factory=dict)
 
 
+class Bucketed(Protocol):
+    """A histogram already counted on the exported bounds (a HistogramPoint,
+    or the trace side's per-request delays)."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]   # at each bound, then the total (+Inf)
+    sum: float
+
+
 @dataclass(frozen=True)
 class Sources:
     """What the store does not hold; each hook returns cumulative figures.
@@ -132,7 +146,7 @@ class Sources:
     slo_breaches: (service, slo name) -> intervals or requests that broke it;
       several sources (interval and request SLOs) combine with summed().
     request_sched_delay: service -> per-request run-queue wait, as a log-linear
-      Histogram or already bucketed on `bounds` (a HistogramPoint).
+      Histogram or already bucketed on `bounds` (Bucketed).
     bounds: the classic bucket bounds of every exported histogram.
     histograms: globs on service names whose histograms carry their buckets
       and whose every culprit is exported; any other service's histograms are
@@ -146,102 +160,10 @@ class Sources:
     histograms: tuple[str, ...] = ("*",)
     throttled_seconds: Callable[[], Mapping[str, float]] | None = None
     slo_breaches: Callable[[], Mapping[tuple[str, str], int]] | None = None
-    request_sched_delay: Callable[[], Mapping[str, Histogram | HistogramPoint]] | None = None
+    request_sched_delay: Callable[[], Mapping[str, Histogram | Bucketed]] | None = None
     # (service, request SLO) -> (target, value judged over the last minute or None, ok)
     request_slos: Callable[[], Mapping[tuple[str, str], tuple[float, float | None, bool]]] | None = None
     agent_stats: Callable[[], AgentStats] | None = None
-
-
-def _spec(name: str, type_: MetricType, help_: str, labels: tuple[str, ...], unit: str = "",
-          source: str = "store") -> MetricSpec:
-    return MetricSpec(name, type_, help_, labels, unit, source)
-
-
-_SVC = ("service",)
-
-RUNQ_LATENCY = _spec("slatrace_runq_latency_seconds", "histogram",
-                     "Time from becoming runnable (wakeup, new task or preemption) to running on a CPU.",
-                     _SVC, "s")
-RUNQ_WAIT = _spec("slatrace_runq_wait_seconds", "counter",
-                  "Sum of run-queue latency: seconds the service's threads spent runnable but not running.",
-                  _SVC, "s")
-PREEMPTIONS = _spec("slatrace_preemptions", "counter",
-                    "Involuntary context switches of the service's tasks, by the service that took the CPU.",
-                    ("service", "by_service"), "1")
-PREEMPTED_WAIT = _spec("slatrace_preempted_wait_seconds", "counter",
-                       "Run-queue wait that followed those preemptions, by the service that took the CPU.",
-                       ("service", "by_service"), "s")
-WAKEUP_WAIT = _spec("slatrace_wakeup_wait_seconds", "counter",
-                    "Run-queue wait that followed a wakeup, by the service that held the CPU until the wait "
-                    "ended (\"idle\": the CPU was idle, wake-up latency).", ("service", "by_service"), "s")
-IOWAIT = _spec("slatrace_iowait_seconds", "histogram",
-               "Time blocked in uninterruptible sleep (D state) until woken.", _SVC, "s")
-MIGRATIONS = _spec("slatrace_migrations", "counter", "Task migrations between CPUs.", _SVC, "1")
-THROTTLED = _spec("slatrace_cpu_throttled_seconds", "counter",
-                  "CPU-quota throttling of the service's cgroups (cpu.stat throttled_usec).", _SVC, "s",
-                  source="hook: Sources.throttled_seconds")
-# A summary rather than a gauge with a `quantile` label: the series are the
-# same (`...{quantile="0.99"}`), and it is the type Prometheus' own linter
-# accepts a `quantile` label on.
-RUNQ_QUANTILE = _spec("slatrace_runq_latency_quantile_seconds", "summary",
-                      f"Run-queue latency quantiles over the last {QUANTILE_WINDOW_S:.0f} s, interpolated in "
-                      "the in-kernel log-linear histogram (1/16-octave slots); _sum and _count since start.",
-                      _SVC, "s")
-SLO_BREACHES = _spec("slatrace_slo_breaches", "counter",
-                     "Intervals (or requests) that broke an SLO.", ("service", "slo"), "1",
-                     source="hook: Sources.slo_breaches")
-SLO_TARGET = _spec("slatrace_slo_target_seconds", "gauge", "Configured SLO target.", ("service", "slo"), "s",
-                   source="config slos")
-SLO_VALUE = _spec("slatrace_slo_value_seconds", "gauge",
-                  f"Value the SLO is judged on, over the last {QUANTILE_WINDOW_S:.0f} s (absent without samples).",
-                  ("service", "slo"), "s", source="config slos")
-SLO_OK = _spec("slatrace_slo_ok", "gauge",
-               f"1 when the SLO holds over the last {QUANTILE_WINDOW_S:.0f} s (or had no samples), 0 when broken.",
-               ("service", "slo"), "1", source="config slos")
-REQUEST_SCHED_DELAY = _spec("slatrace_request_sched_delay_seconds", "histogram",
-                            "Per request span: how much longer the request took because its work waited for a CPU "
-                            "(wall-clock, on its critical path; never more than its duration).",
-                            _SVC, "s", source="hook: Sources.request_sched_delay")
-UNTRACED = _spec("slatrace_untraced_events", "counter",
-                 "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
-                 "from the event stream); counted, never invented.", ("service", "kind"), "1")
-LOST_WAITS = _spec("slatrace_lost_waits", "counter",
-                   "Waits a full kernel map could not record (docs/maps.md), by kind: runq and iowait waits "
-                   "missing from the histograms, blame for runq waits missing from the culprits; counted, never "
-                   "invented.", ("service", "kind"), "1")
-BPF_EVENTS = _spec("slatrace_bpf_events", "counter", "Runs of each BPF program, counted while kernel BPF "
-                   "stats are on (by default 1 s a minute, --bpf-stats): a sample, not every run.",
-                   ("program",), "1")
-BPF_RUN = _spec("slatrace_bpf_run_seconds", "counter", "Time spent in each BPF program over the runs "
-                "slatrace_bpf_events counts; their ratio is the cost per run.",
-                ("program",), "s")
-MAP_ERRORS = _spec("slatrace_bpf_map_errors", "counter",
-                   "Failed BPF map updates (map full, busy) and dropped events, per map.", ("map",), "1")
-POLL_DURATION = _spec("slatrace_poll_duration_seconds", "gauge",
-                      "Time the last collection took to read the BPF maps and store the interval.", (), "s",
-                      source="hook: Sources.agent_stats")
-POLL_ERRORS = _spec("slatrace_poll_errors", "counter", "Collections that failed (retried next interval).",
-                    (), "1", source="hook: Sources.agent_stats")
-WAITS_SEEN = _spec("slatrace_waits_seen", "counter",
-                   "Waits the BPF programs saw, by kind (runq, iowait), counted before the caches and maps "
-                   "they pass through: the self-check's reference.", ("kind",), "1",
-                   source="hook: Sources.agent_stats")
-WAITS_MISSING = _spec("slatrace_waits_missing", "counter",
-                      "Waits the BPF programs saw that never reached the agent's figures (the self-check); "
-                      "anything but 0 means the figures on this kernel are incomplete.", ("kind",), "1",
-                      source="hook: Sources.agent_stats")
-SERVICES_TRACKED = _spec("slatrace_services_tracked", "gauge",
-                         "Distinct service label values exported (bounded by max_services, overflow is "
-                         "\"other\").", (), "1")
-INTERVALS = _spec("slatrace_intervals_collected", "counter", "Intervals collected since the agent started.",
-                  (), "1")
-BUILD_INFO = _spec("slatrace_build_info", "gauge", "slatrace version; always 1.", ("version",), "1")
-
-CATALOG: tuple[MetricSpec, ...] = (
-    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
-    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
-    MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
-)
 
 
 def summed(*hooks: Callable[[], Mapping[tuple[str, str], int]]) -> Callable[[], dict[tuple[str, str], int]]:
@@ -324,7 +246,7 @@ def exported_culprits(t: ServiceTable, every: np.ndarray, n: int = TOP_CULPRITS)
 
 
 def compute(store: Store, sources: Sources = Sources(), now: float | None = None) -> list[Family]:
-    """Every family of CATALOG, in catalog order, from one look at the store."""
+    """Every family of catalog.SCHEDULER, in its order, from one look at the store."""
     # Window first: a scrape racing an ingest then sees totals at least as new
     # as the window, never a window newer than the counters.
     window = store.window(QUANTILE_WINDOW_S, now=now, blame=False)
@@ -332,7 +254,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     services = totals.service_names
     bounds = sources.bounds
     bucketed = histogram_services(sources.histograms)
-    points: dict[str, list[AnyPoint]] = {s.name: [] for s in CATALOG}
+    points: dict[str, list[AnyPoint]] = {s.name: [] for s in SCHEDULER}
 
     # Every service's figures come from the totals' columns; a per-service
     # histogram is built only for the services whose buckets are exported.
@@ -413,12 +335,12 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
             points[SLO_BREACHES.name].append(Point((s, slo), n))
     if sources.request_sched_delay is not None:
         for s, h in sorted(sources.request_sched_delay().items()):
-            if isinstance(h, HistogramPoint):
-                if h.bounds != bounds:
-                    raise ValueError(f"request delay histogram of {s!r} is not bucketed on the exported bounds")
-                p = HistogramPoint((s,), h.bounds, h.cumulative, h.sum)
-            else:
+            if isinstance(h, Histogram):
                 p = histogram_point((s,), h, bounds)
+            else:
+                if tuple(h.bounds) != bounds:
+                    raise ValueError(f"request delay histogram of {s!r} is not bucketed on the exported bounds")
+                p = HistogramPoint((s,), tuple(h.bounds), tuple(h.cumulative), h.sum)
             if p.count:
                 points[REQUEST_SCHED_DELAY.name].append(p if bucketed(s) else without_buckets(p))
 
@@ -443,4 +365,4 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
     points[BUILD_INFO.name].append(Point((__version__,), 1.0))
 
-    return [Family(spec, tuple(points[spec.name])) for spec in CATALOG]
+    return [Family(spec, tuple(points[spec.name])) for spec in SCHEDULER]

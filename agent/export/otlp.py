@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric as PromMetric
 from prometheus_client.registry import Collector, CollectorRegistry
 from opentelemetry.sdk.metrics.export import (
@@ -32,12 +31,15 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 from agent import __version__
+from agent.export.catalog import OTLP_EXPORT, OTLP_EXPORT_DROPPED, OTLP_EXPORT_FAILURES, OTLP_EXPORTS
+from agent.export.figures import Family, Point
 from agent.export.otlp_settings import (
     GRPC,
     ExportSettings,
     resolve_settings,
 )
 from agent.export.otlp_translate import build_metrics_data, store_start_ns
+from agent.export.prometheus import declared, to_metric
 from agent.store.store import Store
 
 log = logging.getLogger("slatrace.otlp")
@@ -231,17 +233,10 @@ class _ExportStatsCollector(Collector):
 
     def collect(self) -> Iterable[PromMetric]:
         st = self._exporter.stats
-        endpoint = self._exporter.settings.endpoint
-        ok = CounterMetricFamily("slatrace_otlp_exports", "OTLP metrics exports the collector accepted.",
-                                 labels=["endpoint"])
-        ok.add_metric([endpoint], st.exports)
-        failed = CounterMetricFamily("slatrace_otlp_export_failures", "OTLP metrics exports dropped after "
-                                     "the exporter gave up (collector down, timeout, rejected).",
-                                     labels=["endpoint"])
-        failed.add_metric([endpoint], st.failures)
-        dropped = CounterMetricFamily("slatrace_otlp_export_dropped_points", "Data points in the dropped "
-                                      "exports; the next export carries their cumulative values.",
-                                      labels=["endpoint"])
-        dropped.add_metric([endpoint], st.dropped_points)
-        return [ok, failed, dropped]
+        endpoint = (self._exporter.settings.endpoint,)
+        return [to_metric(Family(OTLP_EXPORTS, (Point(endpoint, st.exports),))),
+                to_metric(Family(OTLP_EXPORT_FAILURES, (Point(endpoint, st.failures),))),
+                to_metric(Family(OTLP_EXPORT_DROPPED, (Point(endpoint, st.dropped_points),)))]
 
+    def describe(self) -> Iterable[PromMetric]:
+        return [declared(spec) for spec in OTLP_EXPORT]

@@ -1,7 +1,7 @@
 """Prometheus metric families -> OTLP MetricsData, point for point.
 
-The data are the families of the very registry /metrics serves (the catalog
-of agent.export.figures, plus whatever other modules register there).
+The data are the families of the very registry /metrics serves; their units
+come from the catalog (agent/export/catalog.py), as their help text did.
 Nothing is re-recorded through SDK instruments: an instrument would
 re-aggregate synthetic samples, while the agent already has exact cumulative
 bucket counts. Every point carries the end of the newest interval in the store
@@ -32,7 +32,7 @@ from prometheus_client.metrics_core import Metric as PromMetric
 from prometheus_client.registry import CollectorRegistry
 
 from agent import __version__
-from agent.export.figures import CATALOG
+from agent.export.catalog import FAMILIES
 from agent.store.store import IntervalRecord, Store
 
 __all__ = ["SCOPE_NAME", "build_metrics_data", "family_to_metric", "store_start_ns"]
@@ -40,14 +40,12 @@ __all__ = ["SCOPE_NAME", "build_metrics_data", "family_to_metric", "store_start_
 log = logging.getLogger("slatrace.otlp")
 
 SCOPE_NAME = "slatrace"
-# OTLP units of the catalog's metrics; other families get theirs from the name.
-_CATALOG_UNITS = {spec.name: spec.unit for spec in CATALOG}
-
-
 def _unit(family: PromMetric) -> str:
-    spec = _CATALOG_UNITS.get(family.name)
+    """The catalog's unit; a family the catalog does not declare (registered
+    by a test, say) gets one from its name."""
+    spec = FAMILIES.get(family.name)
     if spec is not None:
-        return spec
+        return spec.unit
     if family.unit:
         return "s" if family.unit == "seconds" else family.unit
     return "s" if family.name.endswith("_seconds") else ""

@@ -23,13 +23,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from agent.export.catalog import QUANTILE_WINDOW_S, SCHEDULER, MetricSpec
 from agent.export.figures import (
-    CATALOG,
-    QUANTILE_WINDOW_S,
     QUANTILES,
     Family,
     HistogramPoint,
-    MetricSpec,
     Point,
     Sources,
     SummaryPoint,
@@ -37,7 +35,7 @@ from agent.export.figures import (
 )
 from agent.store.store import Store
 
-__all__ = ["QUANTILES", "QUANTILE_WINDOW_S", "Registry", "SlatraceCollector", "render", "to_metric"]
+__all__ = ["QUANTILES", "QUANTILE_WINDOW_S", "Registry", "SlatraceCollector", "declared", "render", "to_metric"]
 
 OM_EOF = b"# EOF\n"
 
@@ -50,13 +48,20 @@ def _le(bound: float) -> str:
 
 def _empty(spec: MetricSpec) -> Metric:
     labels = list(spec.labels)
+    unit = spec.openmetrics_unit
     if spec.type == "counter":
-        return CounterMetricFamily(spec.name, spec.help, labels=labels)
+        return CounterMetricFamily(spec.name, spec.help, labels=labels, unit=unit)
     if spec.type == "gauge":
-        return GaugeMetricFamily(spec.name, spec.help, labels=labels)
+        return GaugeMetricFamily(spec.name, spec.help, labels=labels, unit=unit)
     if spec.type == "summary":
-        return SummaryMetricFamily(spec.name, spec.help, labels=labels)
-    return HistogramMetricFamily(spec.name, spec.help, labels=labels)
+        return SummaryMetricFamily(spec.name, spec.help, labels=labels, unit=unit)
+    return HistogramMetricFamily(spec.name, spec.help, labels=labels, unit=unit)
+
+
+def declared(spec: MetricSpec) -> Metric:
+    """A catalog family without samples: what describe() yields, so a registry
+    with auto_describe refuses a second collector of the same family."""
+    return _empty(spec)
 
 
 def to_metric(family: Family) -> Metric:
@@ -108,6 +113,8 @@ def render(families: Iterable[Family], openmetrics: bool = False) -> str:
         if openmetrics:
             doc = doc.replace('"', r'\"')
         out.append(f"# HELP {head} {doc}\n# TYPE {head} {spec.type}\n")
+        if openmetrics and spec.openmetrics_unit:
+            out.append(f"# UNIT {head} {spec.openmetrics_unit}\n")
         labels = spec.labels
         for p in family.points:
             base = _label_string(labels, p.labels)
@@ -198,5 +205,5 @@ class SlatraceCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         # Names only, so a registry with auto_describe can detect clashes
         # without running a scrape.
-        for spec in CATALOG:
-            yield _empty(spec)
+        for spec in SCHEDULER:
+            yield declared(spec)

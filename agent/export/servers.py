@@ -1,5 +1,5 @@
-"""The HTTP servers' own families: one declaration, one collector, whatever
-number of servers feed it.
+"""The HTTP servers' own families (declared in agent/export/catalog.py): one
+collector, whatever number of servers feed it.
 
 The API server and the OTLP/HTTP receiver run the same server code and count the
 same outcomes; their figures are one family each, told apart by the `server`
@@ -18,31 +18,11 @@ from typing import Protocol
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent.export.figures import Family, MetricSpec, Point
-from agent.export.prometheus import to_metric
+from agent.export.catalog import HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN, SERVERS, WEB_CONFIG_OK, WEB_CONFIG_RELOADS
+from agent.export.figures import Family, Point
+from agent.export.prometheus import declared, to_metric
 
-__all__ = ["HTTP_CONNECTIONS", "HTTP_CONNECTIONS_OPEN", "SERVER_FAMILIES", "WEB_CONFIG_OK", "WEB_CONFIG_RELOADS",
-           "ServerCollector"]
-
-HTTP_CONNECTIONS = MetricSpec(
-    "slatrace_http_connections", "counter",
-    "HTTP connections accepted and how requests or connections ended early (timeouts, evicted, resets, "
-    "malformed, errors, tls_failures, unauthorized); served counts requests answered.",
-    ("server", "outcome"), "1", source="HTTP servers (API, OTLP/HTTP)")
-HTTP_CONNECTIONS_OPEN = MetricSpec(
-    "slatrace_http_connections_open", "gauge", "HTTP connections open now.",
-    ("server",), "1", source="HTTP servers (API, OTLP/HTTP)")
-WEB_CONFIG_RELOADS = MetricSpec(
-    "slatrace_web_config_reloads", "counter",
-    "Reloads of the web configuration (TLS certificates, basic auth users) after its files changed or SIGHUP; "
-    "a failure keeps the settings in force.",
-    ("outcome",), "1", source="web configuration (--web-config-file)")
-WEB_CONFIG_OK = MetricSpec(
-    "slatrace_web_config_last_reload_successful", "gauge",
-    "1 if the web configuration's files loaded at the last look, 0 if they were refused (the previous "
-    "settings are still in force).",
-    (), "1", source="web configuration (--web-config-file)")
-SERVER_FAMILIES = (HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN, WEB_CONFIG_RELOADS, WEB_CONFIG_OK)
+__all__ = ["ServerCollector"]
 
 
 class _Stats(Protocol):
@@ -109,5 +89,5 @@ class ServerCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         # Names only: a second collector of these families is refused at registration.
-        for spec in SERVER_FAMILIES:
-            yield to_metric(Family(spec, ()))
+        for spec in SERVERS:
+            yield declared(spec)

@@ -16,20 +16,15 @@ import threading
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from collections.abc import Callable, Mapping
 
 from agent.traces.engine_metrics import QUANTILES, EngineHistogram, parse_histograms, window_figures
 
-__all__ = ["ENGINES_PATH", "EngineCollector", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
+__all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 << 20
-# The exported quantiles' window, as slatrace_runq_latency_quantile_seconds'.
-QUANTILE_WINDOW_S = 60.0
 
 
 def fetch(url: str, timeout: float = 2.0) -> str:
@@ -99,6 +94,19 @@ class EngineScraper:
                         "latency": window_figures(last[1], first[1] if first is not last else None)})
         return out
 
+    def latency_quantiles(self, window_s: float) -> list[tuple[str, str, str, float, float]]:
+        """(service, phase, the engine's metric name, quantile, seconds) over the
+        last `window_s` seconds, for /metrics; a phase the engine does not
+        expose, or one without requests in the window, has none."""
+        out = []
+        for fig in self.figures(window_s):
+            for phase, f in sorted(fig["latency"].items()):
+                for q in QUANTILES:
+                    value = f.get(f"p{round(q * 100)}")
+                    if f["count"] and value is not None:
+                        out.append((fig["service"], phase, f["metric"], q, value))
+        return out
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
         self._thread.start()
@@ -118,34 +126,6 @@ class EngineScraper:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-
-
-class EngineCollector(Collector):
-    """The engines' own latency quantiles over the last minute, per service
-    and phase, under the engine's metric name: series to plot beside the
-    requests' scheduling delay (slatrace_request_sched_delay_seconds) of the
-    same service. A phase the engine does not expose has no series."""
-
-    def __init__(self, scraper: EngineScraper) -> None:
-        self._scraper = scraper
-
-    def collect(self) -> Iterator[Metric]:
-        quantiles = GaugeMetricFamily(
-            "slatrace_engine_latency_quantile_seconds",
-            "The inference engine's own latency quantiles over the last 60 s, from its Prometheus histograms "
-            "(time to first token, inter-token, queue, prefill, decode, end to end), by phase and the engine's "
-            "metric name; plot beside the same service's request scheduling delay.",
-            labels=["service", "phase", "metric", "quantile"], unit="seconds")
-        for fig in self._scraper.figures(QUANTILE_WINDOW_S):
-            for phase, f in sorted(fig["latency"].items()):
-                for q in QUANTILES:
-                    value = f.get(f"p{round(q * 100)}")
-                    if f["count"] and value is not None:
-                        quantiles.add_metric([fig["service"], phase, f["metric"], str(q)], value)
-        yield quantiles
-        yield CounterMetricFamily("slatrace_engine_scrape_errors", "Scrapes of an inference engine's metrics "
-                                  "that failed (engine down, or not Prometheus text); logged once per engine.",
-                                  value=self._scraper.errors)
 
 
 def requests_figures(docs: list[dict], start: float, end: float) -> dict:

@@ -1,10 +1,11 @@
-"""Counters of the trace side, and the Collector that exposes them.
+"""Counters of the trace side, as plain numbers.
 
-The pipeline and receivers bump plain counters under one lock; the collector
-turns them into metric families at scrape time, as the store's collector does.
-Request SLO breaches and per-request delays are counted here but exported by
-the main collector (agent/export/figures.py), beside interval SLO breaches, so
-each metric name has one family.
+The pipeline and receivers bump plain counters under one lock; the export
+floor declares their families (agent/export/catalog.py) and turns a totals()
+snapshot into them at scrape time (agent/export/traces.py). Request SLO
+breaches and per-request delays are counted here but exported by the main
+collector (agent/export/figures.py), beside interval SLO breaches, so each
+metric name has one family.
 """
 
 from __future__ import annotations
@@ -14,22 +15,46 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from agent.attribution.slo import holds
-from agent.export.figures import HistogramPoint
 from agent.store.histogram import classic_bounds
 
-__all__ = ["TraceCounters", "TraceCollector"]
+__all__ = ["DelayBuckets", "TraceCounters", "TraceTotals"]
 
 
 # Request SLOs are judged like the interval ones: on the last minute.
 SLO_WINDOW_S = 60.0
 # Requests kept per (service, SLO) for that judgement; beyond it, the oldest go.
 SLO_SAMPLES = 10_000
+
+
+@dataclass(frozen=True)
+class TraceTotals:
+    """One consistent look at the counters, for the exporters."""
+
+    received: Mapping[str, int]                 # transport -> spans accepted
+    rejected: Mapping[tuple[str, str], int]     # (transport, reason) -> export requests refused
+    unresolved: Mapping[str, int]               # reason -> request spans with no service
+    claims_ignored: Mapping[str, int]           # resource attribute -> resources whose claim was ignored
+    requests: Mapping[str, int]                 # service -> request spans attributed
+    pending: int
+    pending_dropped: int
+    forwarded: int
+    truncated_attributes: int
+    store_evicted: int
+    attribution_errors: int
+    forward_dropped: Mapping[str, int]          # reason -> spans not forwarded
+
+
+@dataclass(frozen=True)
+class DelayBuckets:
+    """One service's per-request delays, counted on the exported bounds."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]   # at each bound, then the total (+Inf)
+    sum: float
 
 
 class TraceCounters:
@@ -132,11 +157,20 @@ class TraceCounters:
         with self._lock:
             return dict(self.breaches)
 
-    def delay_points(self) -> dict[str, HistogramPoint]:
+    def delay_points(self) -> dict[str, DelayBuckets]:
         """service -> per-request run-queue wait, bucketed on the exported bounds,
-        in the form the main collector exports."""
-        return {s: HistogramPoint((s,), self._bounds, tuple(n for _, n in cumulative) + (count,), total)
+        for the main collector (figures.Sources.request_sched_delay)."""
+        return {s: DelayBuckets(self._bounds, tuple(n for _, n in cumulative) + (count,), total)
                 for s, (cumulative, count, total) in self.delay_histograms().items()}
+
+    def totals(self) -> TraceTotals:
+        with self._lock:
+            return TraceTotals(
+                received=dict(self.received), rejected=dict(self.rejected), unresolved=dict(self.unresolved),
+                claims_ignored=dict(self.claims_ignored), requests=dict(self.requests), pending=self.pending,
+                pending_dropped=self.pending_dropped, forwarded=self.forwarded,
+                truncated_attributes=self.truncated_attributes, store_evicted=self.store_evicted,
+                attribution_errors=self.attribution_errors, forward_dropped=dict(self.forward_dropped))
 
     def delay_histograms(self) -> dict[str, tuple[list[tuple[float, int]], int, float]]:
         """service -> (cumulative (bound, count) pairs, count, sum)."""
@@ -150,72 +184,3 @@ class TraceCounters:
                 cumulative.append((bound, running))
             out[service] = (cumulative, running + counts[-1], total)
         return out
-
-
-class TraceCollector(Collector):
-    def __init__(self, counters: TraceCounters) -> None:
-        self._c = counters
-
-    def collect(self) -> Iterator[Metric]:
-        c = self._c
-        with c._lock:
-            received = dict(c.received)
-            rejected = dict(c.rejected)
-            requests = dict(c.requests)
-            forward_dropped = dict(c.forward_dropped)
-            forwarded, pending, pending_dropped = c.forwarded, c.pending, c.pending_dropped
-            truncated, store_evicted = c.truncated_attributes, c.store_evicted
-            attribution_errors = c.attribution_errors
-            unresolved, ignored = dict(c.unresolved), dict(c.claims_ignored)
-
-        spans = CounterMetricFamily("slatrace_otlp_spans_received", "Spans accepted by the OTLP trace "
-                                    "receivers.", labels=["transport"])
-        for transport, n in sorted(received.items()):
-            spans.add_metric([transport], n)
-        yield spans
-        refused = CounterMetricFamily("slatrace_otlp_rejected_requests", "OTLP export requests refused, by "
-                                      "reason (malformed, too_large, unsupported, overloaded, unauthorized; gRPC "
-                                      "also not_received: "
-                                      "refused by grpcio above its 64 MiB limit or cancelled before the message, and "
-                                      "queue_full: past the calls running or queued).", labels=["transport", "reason"])
-        for (transport, reason), n in sorted(rejected.items()):
-            refused.add_metric([transport, reason], n)
-        yield refused
-        lost = CounterMetricFamily("slatrace_otlp_spans_unresolved", "Request spans whose sender could not be "
-                                   "found, by reason (remote_peer, socket_not_found, no_process, no_cgroup, "
-                                   "no_peer; from a trusted relay: relay_no_origin, relay_origin_not_found, "
-                                   "relay_other_host, relay_pid_without_host).", labels=["reason"])
-        for reason, n in sorted(unresolved.items()):
-            lost.add_metric([reason], n)
-        yield lost
-        claims = CounterMetricFamily("slatrace_otlp_claims_ignored", "Span resources whose attribute "
-                                     "contradicted the connection they came on (or, from a trusted relay, the "
-                                     "pod it names), by attribute.",
-                                     labels=["attribute"])
-        for attribute, n in sorted(ignored.items()):
-            claims.add_metric([attribute], n)
-        yield claims
-        reqs = CounterMetricFamily("slatrace_requests_attributed", "Request spans given scheduling figures.",
-                                   labels=["service"])
-        for service, n in sorted(requests.items()):
-            reqs.add_metric([service], n)
-        yield reqs
-        yield GaugeMetricFamily("slatrace_requests_pending", "Request spans waiting for the kernel side to "
-                                "cover their end.", value=pending)
-        yield CounterMetricFamily("slatrace_requests_pending_overflow", "Request spans attributed before "
-                                  "their end was covered because too many were pending.", value=pending_dropped)
-        yield CounterMetricFamily("slatrace_otlp_forwarded_spans", "Spans forwarded to --otlp-endpoint.",
-                                  value=forwarded)
-        yield CounterMetricFamily("slatrace_otlp_truncated_attributes", "Attribute values cut to the "
-                                  "receivers' length limit.", value=truncated)
-        yield CounterMetricFamily("slatrace_requests_evicted", "Finished requests dropped from the API's "
-                                  "store before the retention, to keep it within its count and byte budget.",
-                                  value=store_evicted)
-        yield CounterMetricFamily("slatrace_requests_attribution_errors", "Requests whose scheduling figures "
-                                  "could not be computed (or worker ticks that failed; each logged with its "
-                                  "exception).", value=attribution_errors)
-        dropped = CounterMetricFamily("slatrace_otlp_forward_dropped_spans", "Spans not forwarded, by reason "
-                                      "(queue_full, export_failed).", labels=["reason"])
-        for reason, n in sorted(forward_dropped.items()):
-            dropped.add_metric([reason], n)
-        yield dropped

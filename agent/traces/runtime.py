@@ -1,5 +1,6 @@
 """The trace side of the daemon, assembled: receivers -> pipeline -> store,
-API routes, metrics and (with --otlp-endpoint) the forwarder.
+API routes, counters and (with --otlp-endpoint) the forwarder. The daemon
+exposes the counters (`counters`, `engines`) through agent/export/traces.py.
 
 The daemon builds one `Traces` after the probe is attached (the pipeline needs
 the cgroup map and the scheduler source) and closes it on shutdown.
@@ -11,17 +12,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from prometheus_client.registry import CollectorRegistry
-
 from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
 from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
 from agent.traces.api import request_routes
-from agent.traces.engines import EngineCollector, EngineScraper, engine_routes, engine_window
+from agent.traces.engines import EngineScraper, engine_routes, engine_window
 from agent.traces.identity import SpanServices, ThisHost
-from agent.traces.metrics import TraceCollector, TraceCounters
+from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import Limits
 from agent.traces.pipeline import RequestPipeline
 from agent.traces.pipeline import NEVER_WATCHED
@@ -95,10 +94,6 @@ class Traces:
     def engines_since(self, since_s: float, service: str | None = None) -> list[dict]:
         """The engines' own figures over the last `since_s` seconds, beside their requests' delay."""
         return engine_window(self.engines, self.store, since_s, service)
-
-    def register(self, registry: CollectorRegistry) -> None:
-        registry.register(TraceCollector(self.counters))
-        registry.register(EngineCollector(self.engines))
 
     def start(self) -> None:
         """Bind and serve; OSError when an address cannot be bound."""

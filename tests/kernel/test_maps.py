@@ -108,7 +108,8 @@ def test_full_maps_count_what_they_lose(kernel):
     assert blamed + lost.lost_blame == counted + lost.lost_runq
     assert snap.errors["hists"] > 0 and snap.errors["pairs"] > 0
     # The same losses reach /metrics, per service and kind, through the store.
-    from agent.export.figures import LOST_WAITS, compute
+    from agent.export.catalog import LOST_WAITS
+    from agent.export.figures import compute
     from agent.probe.snapshot import ProbeSnapshot
     from agent.store.store import Store
 

@@ -173,7 +173,7 @@ def test_the_engines_quantiles_are_series_under_their_own_names():
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from agent.traces.engines import EngineCollector
+    from agent.export.traces import EngineCollector
 
     scraper = scraped_twice(exposition((1, 0, 0), 0.2), exposition((1, 3, 0), 1.4))
     scraper.errors = 2

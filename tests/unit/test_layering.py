@@ -14,6 +14,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def imported_modules(path: Path) -> set[str]:
+    """Every module one file imports, anywhere in it."""
+    out: set[str] = set()
+    for item in ast.walk(ast.parse(path.read_text())):
+        if isinstance(item, ast.ImportFrom) and item.module and item.level == 0:
+            out.add(item.module)
+        elif isinstance(item, ast.Import):
+            out.update(a.name for a in item.names)
+    return out
+
+
 def package_graph() -> dict[str, set[str]]:
     """agent.<package or top-level module> -> the others it imports."""
     graph: dict[str, set[str]] = {}
@@ -21,17 +32,11 @@ def package_graph() -> dict[str, set[str]]:
         parts = path.relative_to(REPO).with_suffix("").parts
         node = ".".join(parts[:2])
         deps = graph.setdefault(node, set())
-        for item in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(item, ast.ImportFrom) and item.module and item.level == 0:
-                names = [item.module]
-            elif isinstance(item, ast.Import):
-                names = [a.name for a in item.names]
-            for name in names:
-                if name.startswith("agent."):
-                    target = ".".join(name.split(".")[:2])
-                    if target != node:
-                        deps.add(target)
+        for name in imported_modules(path):
+            if name.startswith("agent."):
+                target = ".".join(name.split(".")[:2])
+                if target != node:
+                    deps.add(target)
     return graph
 
 
@@ -72,6 +77,22 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert graph.get("agent.workers", set()) == set() and levels["agent.workers"] == 0
     assert levels["agent.transport"] < min(levels["agent.api"], levels["agent.traces"])
     assert "agent.api" not in graph["agent.traces"] and "agent.traces" not in graph["agent.api"]
+
+
+def test_the_lower_floors_count_in_plain_numbers():
+    """The transport and the trace side keep their counters as plain numbers;
+    the export floor declares the families (agent/export/catalog.py) and builds
+    them from those numbers. Neither reaches up for a metric family or the
+    catalog (the trace forwarder shares only the OTLP endpoint settings)."""
+    reaching_up = []
+    for package in ("transport", "traces"):
+        for path in sorted((REPO / "agent" / package).rglob("*.py")):
+            for name in imported_modules(path):
+                metric_api = name.startswith("prometheus_client") and name != "prometheus_client.parser"
+                export = name.startswith("agent.export") and name != "agent.export.otlp_settings"
+                if metric_api or export:
+                    reaching_up.append(f"{path.relative_to(REPO)}: {name}")
+    assert not reaching_up, reaching_up
 
 
 def test_a_cycle_is_named():

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import Slo
 from agent.export import figures
-from agent.export.figures import CATALOG, AgentStats, Sources
+from agent.export.catalog import SCHEDULER
+from agent.export.figures import AgentStats, Sources
 from agent.export.prometheus import SlatraceCollector
 from agent.probe.layout import ERROR_MAPS
 from agent.probe.snapshot import Bucket, CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats
@@ -219,7 +220,7 @@ def test_counters_equal_raw_totals_and_never_decrease(scenario) -> None:
     assert errors[(("map", "hists"),)] == 0 + 1 + 2
     assert _samples(last, "slatrace_intervals_collected", "_total") == {(): 3}
 
-    counter_names = [s.name for s in CATALOG if s.type == "counter"]
+    counter_names = [s.name for s in SCHEDULER if s.type == "counter"]
     for earlier, later in zip(scrapes, scrapes[1:]):
         for name in counter_names:
             if name not in earlier:
@@ -287,7 +288,7 @@ def test_self_metrics_and_hooks() -> None:
     # With every hook given, every family of the catalog is exported, except
     # the kinds that never happened here: an all-zero kind has no series.
     zero = {"slatrace_iowait_seconds", "slatrace_migrations", "slatrace_untraced_events", "slatrace_lost_waits"}
-    assert set(fams) == {s.name for s in CATALOG} - zero
+    assert set(fams) == {s.name for s in SCHEDULER} - zero
 
 
 def test_services_beyond_the_store_cap_are_one_label_value() -> None:

@@ -33,7 +33,8 @@ from agent.traces.forward import Forwarder, make_exporter
 from agent.identity.cgroups import CgroupPaths
 from agent.probe.mounts import find_cgroup2_mount
 from agent.traces.identity import SpanOrigin, SpanServices, cgroup_v2_path
-from agent.traces.metrics import TraceCollector, TraceCounters
+from agent.export.traces import TraceCollector
+from agent.traces.metrics import TraceCounters
 from agent.traces.otlp_decode import Limits, decode_json
 from agent.traces.pipeline import RequestPipeline
 from agent.traces.receiver_grpc import GRPC_MAX_MESSAGE, SERVICE, GrpcReceiver

@@ -12,7 +12,8 @@ from agent.transport.server import ServerStats
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.export.servers import ServerCollector
 from agent.store.store import Store
-from agent.traces.metrics import TraceCollector, TraceCounters
+from agent.export.traces import TraceCollector
+from agent.traces.metrics import TraceCounters
 
 
 def server(name: str, **counts: int) -> SimpleNamespace:
