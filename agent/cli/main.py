@@ -10,14 +10,11 @@ import sys
 
 from agent import __version__
 from agent.cli.client import add_credential_flags, credentials_from, use_credentials
+from agent.cli.errors import CliError
 from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
 from agent.errors import SlatraceError
 
 DEFAULT_AGENT = "http://127.0.0.1:9477"
-
-
-class CliError(SlatraceError):
-    """Printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+from agent.cli.errors import CliError
 from agent.durations import fmt_seconds
 
 if TYPE_CHECKING:  # rich loads only to print: `slatrace run` registers these commands too
@@ -40,7 +41,6 @@ def add_request_commands(sub: argparse._SubParsersAction,
 
 def cmd_requests(args: argparse.Namespace) -> int:
     from agent.cli.client import get  # noqa: PLC0415
-    from agent.cli.main import CliError  # noqa: PLC0415
 
     params: dict = {}
     if args.since is not None:
