@@ -19,10 +19,10 @@ import errno
 import logging
 import os
 import platform
-import threading
 import time
 
 from agent.errors import SlatraceError
+from agent.workers import Worker, WorkerHandle
 
 __all__ = ["BPF_ENABLE_STATS", "BpfStatsSampler", "StatsUnavailable", "enable_run_time_stats"]
 
@@ -75,9 +75,7 @@ class BpfStatsSampler:
         self.window_s = window_s
         self._enable = enable
         self._fd: int | None = None
-        self._stop = threading.Event()
-        self._asked = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker.loop("bpf-stats", "sampling BPF run-time stats", self._run)
         self.samples = 0
         self.failed: str | None = None
 
@@ -89,12 +87,11 @@ class BpfStatsSampler:
         if self.mode == "always":
             self._open()
             return
-        self._thread = threading.Thread(target=self._run, name="bpf-stats", daemon=True)
-        self._thread.start()
+        self.worker.start()
 
     def request(self) -> None:
         """One sampling window now, whatever the mode (SIGUSR1): sets a flag only."""
-        self._asked.set()
+        self.worker.nudge()
 
     def _open(self) -> bool:
         try:
@@ -112,28 +109,24 @@ class BpfStatsSampler:
             os.close(self._fd)
             self._fd = None
 
-    def _sample(self) -> None:
+    def _sample(self, handle: WorkerHandle) -> None:
         if self._fd is None and self._open():
             self.samples += 1
-            self._stop.wait(self.window_s)
-            self._close()
+            try:
+                handle.wait(self.window_s)
+            finally:
+                self._close()
 
-    def _run(self) -> None:
+    def _run(self, handle: WorkerHandle) -> None:
         next_at = time.monotonic() if self.mode == "sampled" else float("inf")
-        while not self._stop.is_set():
+        while not handle.stopping:
             if time.monotonic() >= next_at:
-                self._sample()
+                self._sample(handle)
                 next_at += self.period_s
             wait = None if next_at == float("inf") else max(0.0, next_at - time.monotonic())
-            if self._asked.wait(wait):
-                self._asked.clear()
-                if not self._stop.is_set():
-                    self._sample()
+            if handle.wait_nudge(wait):
+                self._sample(handle)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._asked.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2.0)
-            self._thread = None
+        self.worker.stop(2.0)
         self._close()

@@ -38,7 +38,7 @@ from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
 from agent.probe.snapshot import ProbeSnapshot
-from agent.reload import ConfigReloader
+from agent.reload import ConfigReloader, ConfigSubscribers
 from agent.store.events import EventLog
 from agent.store.histogram import classic_bounds
 from agent.store.store import Store
@@ -47,7 +47,7 @@ from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 from agent.transport.access import WebAccess
 from agent.transport.server import parse_listen, raise_fd_limit
 from agent.transport.web_config import WebConfigError
-from agent.workers import not_running
+from agent.workers import Worker, not_running
 
 if TYPE_CHECKING:
     from agent.export.otlp import OtlpMetricsExporter
@@ -108,10 +108,13 @@ class Daemon:
         self.polls = 0
         self.poll_errors = 0
         self.tally = WaitTally()
+        # Who reads which live section of the config: a reload calls them.
+        self.subscribers = ConfigSubscribers()
         self._resolver: ServiceResolver | None = None
         # CPU-quota throttling and interval SLO breaches, kept per interval beside the store.
         self.throttle = ThrottleLedger(config.retention)
         self.breaches = SloBreaches(config.slos, config.retention)
+        self.subscribers.subscribe("slos", self._set_interval_slos)
         self._throttle_reader: ThrottleReader | None = None
         self._pods = PodIndex()
         self._pod_watcher = PodWatcher(self._pods)
@@ -136,6 +139,7 @@ class Daemon:
         self._probe = None
         self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
         self._slo_warnings = UnknownSloWarnings()
+        self.subscribers.subscribe("slos", lambda slos: self._slo_warnings.reset())
         self._server: HttpServer | None = None
         self._access: WebAccess | None = None  # the web configuration (TLS, basic auth), if any
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
@@ -143,7 +147,8 @@ class Daemon:
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
                                         IntervalSched(self.store, config.interval), thread_names=ThreadNames())
         self._watched: set[int] = set()
-        self._drain_thread = threading.Thread(target=self._drain_loop, name="events", daemon=True)
+        self._drain = Worker.periodic("events", "draining scheduler events", self._drain_step, EVENT_DRAIN_S,
+                                      first_now=False)
         self._traces = None  # agent.traces.runtime.Traces once the probe is attached
 
     def _request_breaches(self) -> dict[tuple[str, str], int]:
@@ -206,6 +211,7 @@ class Daemon:
         self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services,
                                          retention_s=self.config.retention, pods=self._pods,
                                          docker=DockerNames())
+        self.subscribers.subscribe("services", self._resolver.set_rules)
         self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
                                                features.cgroup2)
         if self._probe.mode == "raw":
@@ -216,7 +222,7 @@ class Daemon:
         self.store.ingest(self._probe.baseline(), self._resolver.service_of)
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()
-        self._drain_thread.start()
+        self._drain.start()
         self._start_traces(cgroups)
         # Last of the start-up: the receivers' libraries (gRPC) are loaded by now.
         self._release_compiler_memory()
@@ -233,14 +239,10 @@ class Daemon:
         except WebConfigError as e:
             raise StartupError(f"bad web config: {e}") from None
         self._servers.watch_access(access)
+        self.subscribers.on_hangup(access.request)  # SIGHUP reads its files again too
         access.start()
         log.info("web config %s: %s", path, access.describe())
         return access
-
-    def reload_web_config(self) -> None:
-        """SIGHUP: read the web configuration again; safe in a signal handler."""
-        if self._access is not None:
-            self._access.request()
 
     def _collect_first_interval(self) -> None:
         """A short first interval: ready soon after attach, not one interval later."""
@@ -262,7 +264,7 @@ class Daemon:
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
                                   otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods,
-                                  access=self._access)
+                                  access=self._access, subscribers=self.subscribers)
             self.registry.register(TraceCollector(self._traces.counters))
             self.registry.register(EngineCollector(self._traces.engines))
             self.state.extra_routes.update(self._traces.routes())
@@ -293,19 +295,14 @@ class Daemon:
         return exporter
 
     def apply_config(self, new: Config) -> None:
-        """Services, SLOs and trusted relays of a reloaded config, everywhere they are read."""
-        if self._resolver is not None and new.services != self.config.services:
-            self._resolver.set_rules(new.services)
-        if new.slos != self.config.slos:
-            self.breaches.slos = new.slos
-            self._collector.update_sources(slos=new.slos)
-            if self._traces is not None:
-                self._traces.pipeline.set_slos(new.slos)
-            self._slo_warnings.reset()
-        if new.otlp_relays != self.config.otlp_relays and self._traces is not None:
-            self._traces.span_services.set_relays(new.otlp_relays)
+        """Services, SLOs and trusted relays of a reloaded config, to every reader subscribed."""
+        self.subscribers.publish(self.config, new)
         self.config = new
         self.state.config = new
+
+    def _set_interval_slos(self, slos) -> None:
+        self.breaches.slos = slos
+        self._collector.update_sources(slos=slos)
 
     def sample_bpf_stats(self) -> None:
         """One BPF-stats sampling window now (SIGUSR1); safe in a signal handler."""
@@ -352,13 +349,9 @@ class Daemon:
         drained_at = time.time()
         self.request_sched.ingest(self._probe.drain_events(), drained_at)
 
-    def _drain_loop(self) -> None:
-        while not self.stop_event.wait(EVENT_DRAIN_S):
-            try:
-                if self._probe is not None:
-                    self.drain_events_once()
-            except Exception:
-                log.exception("draining scheduler events failed; retrying")
+    def _drain_step(self) -> None:
+        if self._probe is not None:
+            self.drain_events_once()
 
     def loop(self) -> None:
         interval = self.config.interval
@@ -382,8 +375,7 @@ class Daemon:
         if self._traces is not None:
             self._traces.close()
             self._traces = None
-        if self._drain_thread.is_alive():
-            self._drain_thread.join(timeout=2.0)
+        self._drain.stop(2.0)
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -458,7 +450,7 @@ def run(config: Config, options: RunOptions) -> int:
 
     def on_hangup(signum, frame) -> None:
         reloader.request()
-        daemon.reload_web_config()
+        daemon.subscribers.hangup()
 
     def on_usr1(signum, frame) -> None:
         daemon.sample_bpf_stats()

@@ -10,17 +10,50 @@ done on this module's thread, never inside the handler.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import fields, replace
+from typing import Any
 
 from agent.config import Config, ConfigError, load_config
+from agent.workers import Worker, WorkerHandle
 
-__all__ = ["ConfigReloader", "describe_changes", "load_with_overrides"]
+__all__ = ["ConfigReloader", "ConfigSubscribers", "describe_changes", "load_with_overrides"]
 
 log = logging.getLogger("slatrace")
 
 LIVE = ("services", "slos", "otlp_relays")
+
+
+class ConfigSubscribers:
+    """Who reads which live section of the config (one of LIVE), and what else
+    a SIGHUP reloads: each reader registers where it is built, so a reload
+    reaches every reader without the daemon knowing them."""
+
+    def __init__(self) -> None:
+        self._by_section: dict[str, list[Callable[[Any], None]]] = {}
+        self._on_hangup: list[Callable[[], None]] = []
+
+    def subscribe(self, section: str, callback: Callable[[Any], None]) -> None:
+        """`callback(new value)` whenever a reload changes `section`."""
+        if section not in LIVE:
+            raise ValueError(f"{section!r} does not change live; the sections that do: {', '.join(LIVE)}")
+        self._by_section.setdefault(section, []).append(callback)
+
+    def on_hangup(self, callback: Callable[[], None]) -> None:
+        """`callback()` on every SIGHUP, inside the signal handler: it must only set a flag."""
+        self._on_hangup.append(callback)
+
+    def hangup(self) -> None:
+        for callback in list(self._on_hangup):
+            callback()
+
+    def publish(self, old: Config, new: Config) -> list[str]:
+        """Call the subscribers of every section that differs; the sections, in LIVE's order."""
+        changed = [section for section in LIVE if getattr(old, section) != getattr(new, section)]
+        for section in changed:
+            for callback in list(self._by_section.get(section, ())):
+                callback(getattr(new, section))
+        return changed
 
 
 def load_with_overrides(path: str | None, overrides: dict) -> Config:
@@ -79,38 +112,32 @@ class ConfigReloader:
         self.overrides = dict(overrides)
         self._current = current
         self._apply = apply
-        self._wanted = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reload", daemon=True)
+        self.worker = Worker.loop("reload", "reloading the config and housekeeping", self._run)
         self.reloads = 0
         self.failures = 0
 
     def start(self) -> None:
-        self._thread.start()
+        self.worker.start()
 
     def request(self) -> None:
         """Safe inside a signal handler: sets a flag, nothing else."""
-        self._wanted.set()
+        self.worker.nudge()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wanted.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
+        self.worker.stop(2.0)
 
-    def _run(self) -> None:
+    def _run(self, handle: WorkerHandle) -> None:
         while True:
-            wanted = self._wanted.wait(self.tick_s)
-            if self._stop.is_set():
+            wanted = handle.wait_nudge(self.tick_s)
+            if handle.stopping:
                 return
             if wanted:
-                self._wanted.clear()
                 self.reload()
             elif self._tick is not None:
                 try:
                     self._tick()
-                except Exception:
-                    log.exception("housekeeping failed; retrying")
+                except Exception as e:  # noqa: BLE001  (housekeeping is retried at the next tick)
+                    handle.failed(e, again_in=self.tick_s)
 
     def reload(self) -> bool:
         if not self.path:

@@ -151,7 +151,7 @@ class Worker:
 
     def stop(self, deadline: float | None = None) -> bool:
         """Ask the worker to stop and wait up to `deadline` seconds (None: no
-        limit); True when its thread has ended (or never ran)."""
+        limit, 0: not at all); True when its thread has ended (or never ran)."""
         self._stop.set()
         self._nudge.set()
         if self._on_stop is not None:
@@ -165,7 +165,7 @@ class Worker:
         if thread is not threading.current_thread():
             thread.join(deadline)
         ended = not thread.is_alive()
-        if not ended:
+        if not ended and deadline:
             log.warning("%s (%s) did not stop within %.3g s", self.name, self.what, deadline)
         return ended
 

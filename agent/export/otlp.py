@@ -6,7 +6,7 @@ MetricsData, which the SDK's OTLP exporter (gRPC or HTTP/protobuf) sends;
 where and how is agent/export/otlp_settings.py. Reading the registry keeps
 both exports identical by construction, whatever is added to it later.
 
-Export runs on its own thread, one request at a time, each bounded by a timeout; a failed request is
+Export runs on its own worker, one request at a time, each bounded by a timeout; a failed request is
 dropped and counted, never queued, so a dead collector costs neither the poll
 loop's time nor memory.
 """
@@ -41,6 +41,7 @@ from agent.export.otlp_settings import (
 from agent.export.otlp_translate import build_metrics_data, store_start_ns
 from agent.export.prometheus import declared, to_metric
 from agent.store.store import Store
+from agent.workers import Worker
 
 log = logging.getLogger("slatrace.otlp")
 
@@ -136,8 +137,10 @@ class OtlpMetricsExporter:
         self._store = store
         self._resource = resource if resource is not None else build_resource()
         self._exporter = exporter if exporter is not None else make_exporter(settings)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # No final export on stop: with the collector down it would hold shutdown
+        # for a whole timeout, and the next start exports again anyway.
+        self.worker = Worker.periodic("otlp-metrics", "exporting OTLP metrics", self.export_once,
+                                      settings.interval_s, first_now=False, on_stop=self._abort_export)
         self._start_ns: int | None = None
         self._lock = threading.Lock()
         self._failing_since_log = 0.0
@@ -157,29 +160,22 @@ class OtlpMetricsExporter:
     def start(self) -> None:
         for name in _SDK_EXPORTER_LOGGERS:
             logging.getLogger(name).addFilter(self._log_filter)
-        self._thread = threading.Thread(target=self._run, name="otlp-metrics", daemon=True)
-        self._thread.start()
+        self.worker.start()
         log.info("exporting OTLP metrics (%s) to %s every %.3g s", self.settings.protocol,
                  self.settings.endpoint, self.settings.interval_s)
 
     def stop(self) -> None:
-        """Stop without a final export: with the collector down it would hold
-        shutdown for a whole timeout, and the next start exports again anyway."""
-        self._stop.set()
-        try:
-            # Aborts the exporter's retry back-off if an export is in flight.
-            self._exporter.shutdown(timeout_millis=1000)
-        except Exception:
-            log.exception("shutting down the OTLP metrics exporter failed")
-        if self._thread is not None:
-            self._thread.join(self.settings.timeout_s + 1.0)
-            self._thread = None
+        """Stop without a final export."""
+        self.worker.stop(self.settings.timeout_s + 1.0)
         for name in _SDK_EXPORTER_LOGGERS:
             logging.getLogger(name).removeFilter(self._log_filter)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.interval_s):
-            self.export_once()
+    def _abort_export(self) -> None:
+        """Aborts the exporter's retry back-off if an export is in flight."""
+        try:
+            self._exporter.shutdown(timeout_millis=1000)
+        except Exception:
+            log.exception("shutting down the OTLP metrics exporter failed")
 
     def export_once(self) -> bool | None:
         """One export; True when accepted, False when dropped, None when there

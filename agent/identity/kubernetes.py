@@ -16,10 +16,11 @@ import logging
 import os
 import re
 import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from agent.workers import Worker, WorkerHandle
 
 __all__ = [
     "ContainerRef",
@@ -242,20 +243,24 @@ class PodIndex:
 
 class PodWatcher:
     """Lists and watches this node's pods (field selector spec.nodeName=NODE_NAME)
-    into a PodIndex, in a daemon thread, with the `kubernetes` client.
+    into a PodIndex, on a worker, with the `kubernetes` client; a failed list
+    or watch is relisted after a backoff that doubles up to `max_backoff_s`.
 
     Optional by design: without NODE_NAME, without the package or without
     credentials, `start` logs why and returns False, and pods are named from
     their cgroup path alone."""
 
-    def __init__(self, index: PodIndex, node_name: str | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, index: PodIndex, node_name: str | None = None, backoff_s: float = 1.0,
+                 max_backoff_s: float = 60.0) -> None:
         self.index = index
         self.node_name = node_name if node_name is not None else os.environ.get("NODE_NAME")
-        self._sleep = sleep
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.errors = 0
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.worker: Worker | None = None
+
+    @property
+    def errors(self) -> int:
+        return self.worker.errors if self.worker is not None else 0
 
     def start(self) -> bool:
         if not self.node_name:
@@ -274,20 +279,22 @@ class PodWatcher:
         except Exception as e:  # noqa: BLE001  (the client raises several unrelated types here)
             log.warning("no Kubernetes credentials (%s): pods are named by UID only", e)
             return False
-        self._thread = threading.Thread(target=self._run, args=(kubernetes,), name="k8s-pods",
-                                        daemon=True)
-        self._thread.start()
+        self.worker = Worker.loop("k8s-pods", "watching this node's pods",
+                                  lambda handle: self._run(kubernetes, handle))
+        self.worker.start()
         return True
 
     def stop(self) -> None:
-        self._stop.set()
+        """Without waiting: a watch in flight may block on the network for minutes."""
+        if self.worker is not None:
+            self.worker.stop(0)
 
-    def _run(self, kubernetes: Any) -> None:
+    def _run(self, kubernetes: Any, handle: WorkerHandle) -> None:
         api = kubernetes.client.CoreV1Api()
         to_json = kubernetes.client.ApiClient().sanitize_for_serialization
         selector = f"spec.nodeName={self.node_name}"
-        backoff = 1.0
-        while not self._stop.is_set():
+        backoff = self.backoff_s
+        while not handle.stopping:
             try:
                 listed = api.list_pod_for_all_namespaces(field_selector=selector)
                 self.index.replace(to_json(p) for p in listed.items)
@@ -295,7 +302,7 @@ class PodWatcher:
                 watch = kubernetes.watch.Watch()
                 for event in watch.stream(api.list_pod_for_all_namespaces, field_selector=selector,
                                           resource_version=version, timeout_seconds=300):
-                    if self._stop.is_set():
+                    if handle.stopping:
                         watch.stop()
                         return
                     pod = to_json(event["object"])
@@ -303,9 +310,10 @@ class PodWatcher:
                         self.index.delete(pod)
                     elif event["type"] in ("ADDED", "MODIFIED"):
                         self.index.upsert(pod)
-                backoff = 1.0
+                handle.succeeded()
+                backoff = self.backoff_s
             except Exception as e:  # noqa: BLE001  (network, 410 Gone, auth: relist after a pause)
-                self.errors += 1
-                log.warning("watching pods failed (%s); relisting in %.0f s", e, backoff)
-                self._sleep(backoff)
-                backoff = min(backoff * 2, 60.0)
+                handle.failed(e, again_in=backoff)
+                if handle.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.max_backoff_s)

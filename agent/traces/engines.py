@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from agent.traces.engine_metrics import QUANTILES, EngineHistogram, parse_histograms, window_figures
+from agent.workers import Worker
 
 __all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
 
@@ -33,8 +34,8 @@ def fetch(url: str, timeout: float = 2.0) -> str:
 
 
 class EngineScraper:
-    """A named worker: start(), shutdown(timeout), errors counted and logged
-    once per engine until it answers again."""
+    """Scrapes every engine on a worker ("engine-metrics") every `every_s`;
+    errors counted and logged once per engine until it answers again."""
 
     def __init__(self, targets: Callable[[], Mapping[str, str]], *, every_s: float = 5.0,
                  retention_s: float = 900.0, fetch: Callable[[str], str] = fetch,
@@ -49,8 +50,8 @@ class EngineScraper:
         self._scrapes: dict[str, tuple[str, deque[tuple[float, dict[str, EngineHistogram]]]]] = {}
         self._failing: set[str] = set()
         self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker.periodic("engine-metrics", "scraping the engines' metrics", self.scrape_once,
+                                      every_s, on_error=self._count_error)
 
     def scrape_once(self) -> None:
         now = self._clock()
@@ -107,25 +108,14 @@ class EngineScraper:
                         out.append((fig["service"], phase, f["metric"], q, value))
         return out
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-metrics", daemon=True)
-        self._thread.start()
+    def _count_error(self, error: BaseException) -> None:
+        self.errors += 1
 
-    def _run(self) -> None:
-        while True:
-            try:
-                self.scrape_once()
-            except Exception:
-                self.errors += 1
-                log.exception("scraping the engines' metrics failed; retrying")
-            if self._stop.wait(self.every_s):
-                return
+    def start(self) -> None:
+        self.worker.start()
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self.worker.stop(timeout)
 
 
 def requests_figures(docs: list[dict], start: float, end: float) -> dict:

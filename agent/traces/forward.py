@@ -1,7 +1,7 @@
 """Forwarding received spans to the collector at --otlp-endpoint.
 
 Receivers and the request worker hand spans over with a non-blocking put into
-a bounded queue; one thread drains it in batches and sends them with the
+a bounded queue; one worker drains it in batches (and empties it on stop) and sends them with the
 OpenTelemetry SDK's own OTLP span exporter (gRPC, or HTTP/protobuf as the SDKs
 choose from OTEL_EXPORTER_OTLP_PROTOCOL). Protobuf spans become SDK
 ReadableSpans with their trace id, span id, parent, kind, status, events and
@@ -30,6 +30,7 @@ from agent.export.otlp_settings import HTTP_PROTOBUF, resolve_settings
 from agent.traces.metrics import TraceCounters
 from agent.traces.pipeline import SpanSink
 from agent.traces.spans import attributes
+from agent.workers import Worker, WorkerHandle
 
 __all__ = ["Forwarder", "make_exporter", "to_readable_span"]
 
@@ -101,8 +102,7 @@ class Forwarder(SpanSink):
         self._bytes_lock = threading.Lock()
         self.max_batch = max_batch
         self.flush_s = flush_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker.loop("otlp-forward", "forwarding spans to the collector", self._run)
 
     def forward(self, resource_spans: ResourceSpans, scope_spans: ScopeSpans, span: Span,
                 extra: dict | None = None) -> None:
@@ -127,11 +127,11 @@ class Forwarder(SpanSink):
         return self._bytes
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="otlp-forward", daemon=True)
-        self._thread.start()
+        self.worker.start()
 
-    def _run(self) -> None:
-        while not (self._stop.is_set() and self._queue.empty()):
+    def _run(self, handle: WorkerHandle) -> None:
+        """Until stopped and the queue is empty: what was queued is still sent on stop."""
+        while not (handle.stopping and self._queue.empty()):
             batch = self._take()
             if batch:
                 try:
@@ -176,10 +176,7 @@ class Forwarder(SpanSink):
         return False
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self.worker.stop(timeout)
         try:
             self._exporter.shutdown()
         except Exception:

@@ -40,6 +40,7 @@ from agent.traces.otlp_decode import truncate_attributes
 from agent.traces.request_store import RequestStore
 from agent.traces.servers import RequestRules, parse_request
 from agent.traces.spans import RequestSpan, attributes, iter_spans
+from agent.workers import Worker
 
 __all__ = ["MAX_FUTURE_SKEW_S", "Overloaded", "RequestPipeline", "SpanSink"]
 
@@ -119,8 +120,8 @@ class RequestPipeline:
         self._heap: list[tuple[float, int, _Pending]] = []  # by span end
         self._seq = itertools.count()
         self._warned: dict[str, float] = {}  # unresolved reason -> when last warned
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker.periodic("requests", "attributing requests", self.process, tick_s, first_now=False,
+                                      on_error=lambda e: self.counters.add_attribution_error())
 
     def set_slos(self, slos: Iterable[Slo]) -> None:
         """Judge requests finished from now on against these (a config reload)."""
@@ -243,22 +244,10 @@ class RequestPipeline:
             self._sink.forward(*item.proto, extra=enrichment(doc))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="requests", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
-            try:
-                self.process()
-            except Exception:
-                self.counters.add_attribution_error()
-                log.exception("attributing requests failed; retrying next tick")
+        self.worker.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self.worker.stop(5.0)
 
 
 def clamped(span: RequestSpan, now: float) -> RequestSpan:

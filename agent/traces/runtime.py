@@ -9,11 +9,11 @@ the cgroup map and the scheduler source) and closes it on shutdown.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
 
 from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
+from agent.reload import ConfigSubscribers
 from agent.store.histogram import classic_bounds
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex
@@ -28,6 +28,7 @@ from agent.traces.request_store import RequestStore
 from agent.traces.servers import RequestRules, ServerProcesses
 from agent.transport.access import WebAccess
 from agent.transport.server import parse_listen
+from agent.workers import Worker
 
 __all__ = ["Traces", "parse_listen_or_off"]
 
@@ -59,6 +60,7 @@ class Traces:
         limits: Limits = Limits(),
         pods: PodIndex | None = None,
         access: WebAccess | None = None,
+        subscribers: ConfigSubscribers | None = None,
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention, on_evict=self.counters.add_store_evicted)
@@ -73,13 +75,16 @@ class Traces:
         self.pipeline = RequestPipeline(
             sched, self.span_services, config.slos, self.store, self.counters,
             self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules))
+        if subscribers is not None:  # a reload's SLOs judge requests finished from then on; relays trusted at once
+            subscribers.subscribe("slos", self.pipeline.set_slos)
+            subscribers.subscribe("otlp_relays", self.span_services.set_relays)
         self._sched = sched
         self.servers = ServerProcesses(cgroups, service_of, spans.servers, spans.watch)
         # The engines found by the scan serve their own latency histograms: read beside ours.
         configured = {e.service: e.url for e in config.engines}
         self.engines = EngineScraper(lambda: {**self.servers.engines, **configured}, retention_s=config.retention)
-        self._stop = threading.Event()
-        self._scan_thread: threading.Thread | None = None
+        self._scan = Worker.periodic("request-servers", "looking for inference servers", self.pin_servers,
+                                     SERVER_SCAN_S, first_now=False)
         self._grpc_addr = parse_listen_or_off(grpc_listen, "--otlp-grpc-listen")
         self._http_addr = parse_listen_or_off(http_listen, "--otlp-http-listen")
         self._limits = limits
@@ -100,8 +105,7 @@ class Traces:
         if self.forwarder is not None:
             self.forwarder.start()
         self.pin_servers()
-        self._scan_thread = threading.Thread(target=self._scan_loop, name="request-servers", daemon=True)
-        self._scan_thread.start()
+        self._scan.start()
         self.engines.start()
         self.pipeline.start()
         if self._grpc_addr is not None:
@@ -129,19 +133,9 @@ class Traces:
         the config) from now on, before their first span arrives."""
         self._sched.pin(self.servers.services() - NEVER_WATCHED)
 
-    def _scan_loop(self) -> None:
-        while not self._stop.wait(SERVER_SCAN_S):
-            try:
-                self.pin_servers()
-            except Exception:
-                log.exception("looking for inference servers failed; retrying")
-
     def close(self) -> None:
-        self._stop.set()
+        self._scan.stop(2.0)
         self.engines.shutdown()
-        if self._scan_thread is not None:
-            self._scan_thread.join(timeout=2.0)
-            self._scan_thread = None
         for part in (self.grpc, self.http):
             if part is not None:
                 part.stop()

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import bcrypt
 
 from agent.transport.web_config import WebConfig, WebConfigError, load_web_config
+from agent.workers import Worker, WorkerHandle
 
 __all__ = ["BasicAuth", "WebAccess"]
 
@@ -116,9 +117,7 @@ class WebAccess:
         self.last_ok_time = time.time()
         self._stamps = _stamps(self.config.files)
         self._pending: tuple | None = None  # stamps seen changed at the last look
-        self._wanted = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.worker = Worker.loop("web-config", "watching the web configuration's files", self._run)
         self._lock = threading.Lock()
 
     @property
@@ -175,33 +174,27 @@ class WebAccess:
 
     def request(self) -> None:
         """Safe inside a signal handler: sets a flag, nothing else."""
-        self._wanted.set()
+        self.worker.nudge()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="web-config", daemon=True)
-        self._thread.start()
+        self.worker.start()
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        self._wanted.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        self.worker.stop(timeout)
 
-    def _run(self) -> None:
+    def _run(self, handle: WorkerHandle) -> None:
         while True:
-            wanted = self._wanted.wait(WATCH_S)
-            if self._stop.is_set():
+            wanted = handle.wait_nudge(WATCH_S)
+            if handle.stopping:
                 return
-            self._wanted.clear()
             try:
                 if wanted:
                     self.reload("SIGHUP")
                 elif self.changed():
                     self.reload("files changed")
-            except Exception:  # a bug must not end the watch
+            except Exception as e:  # noqa: BLE001  (a bug must not end the watch; the settings in force stay)
                 self.failures += 1
-                log.exception("web config reload failed; keeping the settings in force")
+                handle.failed(e, again_in=WATCH_S)
 
 
 def _stamps(paths: tuple[str, ...]) -> tuple:

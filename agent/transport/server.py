@@ -46,6 +46,7 @@ import h11
 
 from agent.errors import SlatraceError
 from agent.transport.response import Response, error
+from agent.workers import Worker, WorkerHandle
 
 if TYPE_CHECKING:
     from agent.transport.access import WebAccess
@@ -246,7 +247,7 @@ class BackgroundHTTPServer:
         # (on the loop, costing nothing) instead of taking every worker.
         self._bcrypt: asyncio.Semaphore | None = None
         self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.worker = Worker.loop(name, f"serving HTTP on port {self._port}", self._run, on_stop=self._stop_loop)
         self._started = threading.Event()
 
     @property
@@ -258,26 +259,34 @@ class BackgroundHTTPServer:
         return "https" if self.access is not None and self.access.tls_context is not None else "http"
 
     def start(self) -> None:
-        self._thread.start()
+        self.worker.start()
         self._started.wait(5.0)
 
     def stop(self) -> None:
-        if self._thread.is_alive():
+        if self.worker.alive:
             fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
             try:
                 fut.result(timeout=5.0)
             except Exception:  # noqa: BLE001  (shutdown must not raise on the way out)
                 log.warning("%s server did not shut down cleanly", self.name)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=5.0)
+            self.worker.stop(5.0)
         else:
+            self.worker.stop(0)
             self._sock.close()
-            self._loop.close()
+            if not self._loop.is_closed():
+                self._loop.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- event loop ------------------------------------------------------
 
-    def _run(self) -> None:
+    def _stop_loop(self) -> None:
+        """The worker's wake-up on stop: ends run_forever from another thread."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+    def _run(self, handle: WorkerHandle) -> None:
+        if self._loop.is_closed():  # a restart after the loop died
+            self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self._loop)
         self._loop.set_exception_handler(self._loop_exception)
         self._loop.run_until_complete(self._serve())

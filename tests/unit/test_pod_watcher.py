@@ -86,7 +86,7 @@ def test_lists_then_watches_this_nodes_pods(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     index = PodIndex()
-    watcher = PodWatcher(index, node_name="gpu-node-1", sleep=lambda s: time.sleep(min(s, 0.05)))
+    watcher = PodWatcher(index, node_name="gpu-node-1", backoff_s=0.05, max_backoff_s=0.05)
     try:
         assert watcher.start() is True
         _wait(lambda: index.get(new_pod["metadata"]["uid"]) is not None)
