@@ -46,7 +46,10 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def _empty(spec: MetricSpec) -> Metric:
+def declared(spec: MetricSpec) -> Metric:
+    """A catalog family without samples: what to_metric() fills, and what
+    describe() yields, so a registry with auto_describe refuses a second
+    collector of the same family."""
     labels = list(spec.labels)
     unit = spec.openmetrics_unit
     if spec.type == "counter":
@@ -58,15 +61,9 @@ def _empty(spec: MetricSpec) -> Metric:
     return HistogramMetricFamily(spec.name, spec.help, labels=labels, unit=unit)
 
 
-def declared(spec: MetricSpec) -> Metric:
-    """A catalog family without samples: what describe() yields, so a registry
-    with auto_describe refuses a second collector of the same family."""
-    return _empty(spec)
-
-
 def to_metric(family: Family) -> Metric:
     """One figures.Family as a prometheus_client metric family."""
-    metric = _empty(family.spec)
+    metric = declared(family.spec)
     for p in family.points:
         if isinstance(p, HistogramPoint):
             buckets = [(_le(b), c) for b, c in zip(p.bounds, p.cumulative)] + [("+Inf", p.count)]

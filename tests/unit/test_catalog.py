@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.export import catalog
 from agent.export.catalog import FAMILIES, Catalog, DuplicateFamily
+from agent.export.otlp_translate import family_to_metric
 from agent.export.prometheus import Registry
 from agent.export.servers import ServerCollector
 from agent.export.traces import TraceCollector
@@ -67,7 +68,8 @@ def test_a_duplicate_in_the_catalog_fails_its_import(tmp_path, monkeypatch):
 
 
 def test_every_family_is_in_one_part_of_the_catalog():
-    parts = [catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT]
+    parts = [catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT,
+             catalog.WORKERS]
     names = [spec.name for part in parts for spec in part]
     assert sorted(names) == sorted(spec.name for spec in FAMILIES)
     for spec in FAMILIES:
@@ -105,6 +107,19 @@ def test_the_help_on_metrics_is_the_catalogs_in_both_formats():
     text = {f.name: f for f in text_string_to_metric_families(registry.exposition().decode())}
     for spec in catalog.TRACES:
         assert om[spec.name].documentation == text[spec.name].documentation == spec.help
+
+
+def test_the_otlp_metrics_carry_the_catalogs_unit_and_help():
+    counters = TraceCounters()
+    counters.add_received("http", 2)
+    counters.add_forwarded(1)
+    registry = Registry()
+    registry.register(TraceCollector(counters))
+    registry.register(ServerCollector())
+    metrics = [m for m in (family_to_metric(f, 1, 2) for f in registry.collect()) if m is not None]
+    assert {m.name for m in metrics} >= {"slatrace_otlp_spans_received", "slatrace_otlp_forwarded_spans"}
+    for m in metrics:
+        assert (m.unit, m.description) == (FAMILIES[m.name].unit, FAMILIES[m.name].help)
 
 
 def test_only_the_catalog_builds_families():
