@@ -29,6 +29,7 @@ from agent.export.otlp_settings import OtlpConfigError
 from agent.export.prometheus import Registry, SlatraceCollector
 from agent.export.servers import ServerCollector
 from agent.export.traces import EngineCollector, TraceCollector
+from agent.export.workers import WorkerCollector
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames
 from agent.identity.kthreads import kernel_thread_tids
@@ -47,7 +48,7 @@ from agent.throttle import ThrottleLedger, ThrottleReader, find_cpu_hierarchy
 from agent.transport.access import WebAccess
 from agent.transport.server import parse_listen, raise_fd_limit
 from agent.transport.web_config import WebConfigError
-from agent.workers import Worker, not_running
+from agent.workers import Worker, not_running, started
 
 if TYPE_CHECKING:
     from agent.export.otlp import OtlpMetricsExporter
@@ -136,6 +137,8 @@ class Daemon:
         # One collector for every HTTP server (API, OTLP/HTTP): one family each.
         self._servers = ServerCollector()
         self.registry.register(self._servers)
+        # Every background worker's failures, by name.
+        self.registry.register(WorkerCollector(started))
         self._probe = None
         self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
         self._slo_warnings = UnknownSloWarnings()

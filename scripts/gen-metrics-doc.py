@@ -42,6 +42,7 @@ from agent.export.otlp import _ExportStatsCollector  # noqa: E402
 from agent.export.prometheus import SlatraceCollector  # noqa: E402
 from agent.export.servers import ServerCollector  # noqa: E402
 from agent.export.traces import EngineCollector, TraceCollector  # noqa: E402
+from agent.export.workers import WorkerCollector  # noqa: E402
 from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
@@ -134,14 +135,22 @@ def otlp_export_scrape_text() -> str:
     return generate_latest(registry).decode()
 
 
+def worker_scrape_text() -> str:
+    """The background workers' own family, one worker."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(WorkerCollector(lambda: [SimpleNamespace(name="k8s-pods", errors=2)]))
+    return generate_latest(registry).decode()
+
+
 def all_scrapes_text() -> str:
     """Every collector's exposition, every catalog family with points."""
     return scrape_text() + trace_scrape_text() + engine_scrape_text() + server_scrape_text() + \
-        otlp_export_scrape_text()
+        otlp_export_scrape_text() + worker_scrape_text()
 
 
 # The document's tables, in order: each part of the catalog once.
-SECTIONS = (catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT)
+SECTIONS = (catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT,
+            catalog.WORKERS)
 
 
 def _family_row(spec: MetricSpec) -> str:
@@ -213,7 +222,7 @@ def render() -> str:
     declared = [spec.name for section in SECTIONS for spec in section]
     assert sorted(declared) == sorted(spec.name for spec in catalog.FAMILIES), \
         "every family of the catalog belongs to exactly one section of the document"
-    scheduler, traces, engines, servers, otlp_export = SECTIONS
+    scheduler, traces, engines, servers, otlp_export, workers = SECTIONS
     out = [
         "# slatrace metrics",
         "",
@@ -262,6 +271,15 @@ def render() -> str:
         "beside them (`endpoint` is where they go).",
         "",
         *_table(otlp_export),
+        "",
+        "## Background workers",
+        "",
+        "Each thread the agent runs in the background is a named worker (`worker` is its name:",
+        "`events`, `requests`, `k8s-pods`, `engine-metrics`, `otlp-forward`, `http`, ...). A failure is",
+        "counted here and logged as one warning naming the worker; the worker goes on. One that",
+        "ended without being asked to stop turns `/livez` to 503 (docs/api.md).",
+        "",
+        *_table(workers),
         "",
         "Sources: `store` is computed from the BPF maps through the store; `config slos` needs",
         "SLOs in the config file; `hook: ...` is filled by the subsystem that owns the figure",

@@ -335,3 +335,13 @@ OTLP_EXPORT_DROPPED = declare(
     ("endpoint",), unit="1", source=_OTLP)
 
 OTLP_EXPORT: tuple[MetricSpec, ...] = (OTLP_EXPORTS, OTLP_EXPORT_FAILURES, OTLP_EXPORT_DROPPED)
+
+# -- The background workers (agent.workers): WorkerCollector, agent/export/workers.py.
+_WORKERS = "background workers (agent.workers)"
+WORKER_ERRORS = declare(
+    "slatrace_worker_errors", "counter",
+    "Failures of a background worker, by its name: an exception out of its step or loop (the worker goes on, "
+    "a loop restarted), or one it handled and retried; each is also one warning line naming the worker.",
+    ("worker",), unit="1", source=_WORKERS)
+
+WORKERS: tuple[MetricSpec, ...] = (WORKER_ERRORS,)

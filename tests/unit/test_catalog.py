@@ -68,7 +68,8 @@ def test_a_duplicate_in_the_catalog_fails_its_import(tmp_path, monkeypatch):
 
 
 def test_every_family_is_in_one_part_of_the_catalog():
-    parts = [catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT]
+    parts = [catalog.SCHEDULER, catalog.TRACES, catalog.ENGINES, catalog.SERVERS, catalog.OTLP_EXPORT,
+             catalog.WORKERS]
     names = [spec.name for part in parts for spec in part]
     assert sorted(names) == sorted(spec.name for spec in FAMILIES)
     for spec in FAMILIES:

@@ -144,3 +144,28 @@ def test_livez_names_a_worker_that_should_run_and_does_not():
     assert api.handle("GET", "/livez").status == 200
     assert fine in started()
     fine.stop(1.0)
+
+
+def test_each_workers_errors_are_a_series_of_slatrace_worker_errors_total():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.export.prometheus import Registry
+    from agent.export.workers import WorkerCollector
+
+    def boom() -> None:
+        raise OSError("no such file")
+
+    failing = Worker.periodic("engine-metrics", "scraping", boom, every_s=0.01)
+    quiet = Worker.periodic("events", "draining", lambda: None, every_s=0.01)
+    registry = Registry()
+    registry.register(WorkerCollector(lambda: [failing, quiet]))
+    failing.start()
+    quiet.start()
+    try:
+        wait_for(lambda: failing.errors >= 3)
+    finally:
+        failing.stop(1.0)
+        quiet.stop(1.0)
+    (family,) = text_string_to_metric_families(registry.exposition().decode())
+    assert family.name == "slatrace_worker_errors" and family.type == "counter"
+    assert {s.labels["worker"]: s.value for s in family.samples} == {"engine-metrics": failing.errors, "events": 0}
