@@ -112,6 +112,7 @@ class BpfStatsSampler:
     def _sample(self, handle: WorkerHandle) -> None:
         if self._fd is None and self._open():
             self.samples += 1
+            handle.succeeded()
             try:
                 handle.wait(self.window_s)
             finally:

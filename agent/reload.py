@@ -138,6 +138,8 @@ class ConfigReloader:
                     self._tick()
                 except Exception as e:  # noqa: BLE001  (housekeeping is retried at the next tick)
                     handle.failed(e, again_in=self.tick_s)
+                    continue
+            handle.succeeded()
 
     def reload(self) -> bool:
         if not self.path:

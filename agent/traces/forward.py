@@ -135,7 +135,8 @@ class Forwarder(SpanSink):
             batch = self._take()
             if batch:
                 try:
-                    self.send([entry[:4] for entry in batch])
+                    if self.send([entry[:4] for entry in batch]):
+                        handle.succeeded()
                 finally:
                     self._release(sum(entry[4] for entry in batch))
 

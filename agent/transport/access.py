@@ -192,6 +192,7 @@ class WebAccess:
                     self.reload("SIGHUP")
                 elif self.changed():
                     self.reload("files changed")
+                handle.succeeded()
             except Exception as e:  # noqa: BLE001  (a bug must not end the watch; the settings in force stay)
                 self.failures += 1
                 handle.failed(e, again_in=WATCH_S)

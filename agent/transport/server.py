@@ -291,6 +291,7 @@ class BackgroundHTTPServer:
         self._loop.set_exception_handler(self._loop_exception)
         self._loop.run_until_complete(self._serve())
         self._started.set()
+        handle.succeeded()
         try:
             self._loop.run_forever()
         finally:
