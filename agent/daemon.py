@@ -195,7 +195,7 @@ class Daemon:
         self._servers.add(self._server)
         log.info("listening on %s://%s:%d", self._server.scheme, host, self._server.port)
 
-        from agent.probe.loader import Probe, attach_mode  # noqa: PLC0415  (imports bcc)
+        from agent.probe.loader import MapMemoryError, Probe, attach_mode  # noqa: PLC0415  (imports bcc)
 
         try:
             mode = attach_mode(features, self.config.attach_mode)
@@ -204,6 +204,8 @@ class Daemon:
         t0 = time.monotonic()
         try:
             self._probe = Probe.load(features, tracepoints=mode)
+        except MapMemoryError as e:
+            raise StartupError(f"cannot load the BPF programs: {e}") from None
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
             raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
                                "to see which prerequisite is missing") from None

@@ -6,7 +6,10 @@
 Each round starts the agent once per configuration (bench/agent_variant.py
 undoes one start-up lever at a time; the order rotates every round), measures
 spawn -> first /readyz 200, then reads /proc/PID/status at ready and STEADY_S
-later: VmRSS, RssAnon, RssFile, and VmHWM (the start-up peak: the compile).
+later: VmRSS, RssAnon, RssFile, and VmHWM (the start-up peak: the compile);
+and, as every agent runs in a memory cgroup of its own, that cgroup's peak and
+steady charge, its kernel memory (the BPF maps) and working set
+(bench/memcg.py).
 Medians over rounds go to BENCHMARKS.md between their own markers, raw
 figures to bench-results/footprint-<timestamp>.json.
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import shutil
@@ -32,10 +34,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.memcg import MemoryCgroup, drop_page_cache
 from bench.tools import attach_seconds_in, free_port, log_tail, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +61,9 @@ CONFIGS = (
     ("before", "before", ()),
 )
 FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM", "Pss")
+# The memory cgroup's figures (bench/memcg.py), read with the others: what a
+# container's limit is held against.
+CHARGE_FIELDS = ("peak", "current", "kernel", "working_set")
 BEGIN = "<!-- BEGIN footprint results: written by `make bench-footprint`; edits inside are overwritten -->"
 END = "<!-- END footprint results -->"
 
@@ -115,11 +122,19 @@ def ready_get(port: int) -> int:
 
 
 def one_run(variant: str, flags: tuple[str, ...], log: Path, env: dict[str, str]) -> dict[str, Any]:
+    if env:
+        # each run is charged for reading the compiler, as a first start on a node is
+        drop_page_cache([Path(env["LD_LIBRARY_PATH"]) / name for name in COMPILER_LIBRARIES])
+    with MemoryCgroup("footprint") as cg:
+        return _run_in(cg, variant, flags, log, env)
+
+
+def _run_in(cg: MemoryCgroup, variant: str, flags: tuple[str, ...], log: Path, env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
     cmd = [sys.executable, "-m", "bench.agent_variant", variant, "run", "--listen", f"127.0.0.1:{port}",
            "--otlp-grpc-listen", "off", "--otlp-http-listen", "off", *flags]
     t0 = time.monotonic()
-    proc = spawn(cmd, log, {**os.environ, **env})
+    proc = spawn(cg.joined(cmd), log, {**os.environ, **env})
     library = str(Path(env["LD_LIBRARY_PATH"]) / COMPILER_LIBRARIES[0]) if env else COMPILER_LIBRARIES[0]
     try:
         while ready_get(port) != 200:
@@ -132,12 +147,13 @@ def one_run(variant: str, flags: tuple[str, ...], log: Path, env: dict[str, str]
         at_ready = status(proc.pid)
         time.sleep(STEADY_S)
         steady = status(proc.pid)
+        charge = cg.read()
         sharers = llvm_sharers(proc.pid, library)
     finally:
         stop(proc, 15)
     compile_s = attach_seconds(log)
     return {"ready_s": ready, "compile_s": compile_s, "at_ready": at_ready, "steady": steady,
-            "llvm_sharers": sharers}
+            "llvm_sharers": sharers, "charge": asdict(charge)}
 
 
 def attach_seconds(log: Path) -> float:
@@ -164,6 +180,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                       "shared_runs": sum(1 for r in mine if r["llvm_sharers"])}
         for f in FIELDS:
             out[label][f] = median([r["steady"][f] for r in mine])
+        for f in CHARGE_FIELDS:
+            out[label][f"cgroup_{f}"] = median([r["charge"][f] for r in mine])
     return out
 
 
@@ -181,7 +199,10 @@ def render(res: dict[str, Any]) -> str:
     lines = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}; command `{m['command']}`; "
              f"{res['rounds']} interleaved rounds (order rotated each round), one start per configuration "
              f"and round; medians (min–max). Memory read {STEADY_S:.0f} s after ready; the peak is VmHWM, "
-             f"reached during the compile. Compiler libraries: {m['compiler_libraries']}. Load average "
+             "reached during the compile. Each agent runs in its own memory cgroup (bench/memcg.py): its "
+             "peak and steady charge hold page cache and kernel memory (the BPF maps) besides RSS; the "
+             "working set is the charge less inactive file pages. "
+             f"Compiler libraries: {m['compiler_libraries']}. Load average "
              f"(1 min) {m['load_average'][0]:.1f} before, {m['load_average'][1]:.1f} after: start-up times "
              "grow with it (the compile is CPU-bound).", ""]
     shipped = s.get("shipped")
@@ -194,13 +215,15 @@ def render(res: dict[str, Any]) -> str:
                   f"{'PASS' if ready <= READY_TARGET_S else 'MISS'} |",
                   f"| the same without the BPF compile (shipped) | {rest:.2f} s | – | – |", ""]
     lines += ["| configuration | ready s | of which compile s | ready − compile s | RSS MiB | RssAnon MiB | "
-              "RssFile MiB | PSS MiB | start-up peak (VmHWM) MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "RssFile MiB | PSS MiB | start-up peak (VmHWM) MiB | cgroup peak MiB | cgroup steady MiB | "
+              "of which kernel MiB | working set MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, v in s.items():
         r = v["ready_s"]
         lines.append(f"| {label} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) | {_sec(v['compile_s'])} | "
                      f"{_sec(v['rest_s'])} | {_mib(v['VmRSS'])} | "
-                     f"{_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | {_mib(v['Pss'])} | {_mib(v['VmHWM'])} |")
+                     f"{_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | {_mib(v['Pss'])} | {_mib(v['VmHWM'])} | "
+                     + " | ".join(_mib(v[f"cgroup_{f}"]) for f in CHARGE_FIELDS) + " |")
     shared = {label: v["shared_runs"] for label, v in s.items() if v["shared_runs"]}
     if shared:
         lines += ["", "Runs during which another process mapped the same libLLVM (its pages then stay resident): "
@@ -251,7 +274,8 @@ def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[s
                   f"{r['ready_s']:.2f} s (compile {r['compile_s']:.2f} s), "
                   f"RSS {r['steady']['VmRSS'] / MIB:.0f} MiB (anon "
                   f"{r['steady']['RssAnon'] / MIB:.0f}, file {r['steady']['RssFile'] / MIB:.0f}), peak "
-                  f"{r['steady']['VmHWM'] / MIB:.0f} MiB" + (f"; {r['llvm_sharers']} other libLLVM users"
+                  f"{r['steady']['VmHWM'] / MIB:.0f} MiB; cgroup peak {r['charge']['peak'] / MIB:.0f}, steady "
+                  f"{r['charge']['current'] / MIB:.0f} MiB" + (f"; {r['llvm_sharers']} other libLLVM users"
                                                             if r["llvm_sharers"] else ""), flush=True)
     command = "make bench-footprint" if os.environ.get("MAKELEVEL") else " ".join(
         [".venv/bin/python", "-m", "bench.footprint", *argv])
@@ -260,16 +284,8 @@ def measure(args: argparse.Namespace, argv: list[str], logdir: Path, env: dict[s
                        "compiler_libraries": "system (shared)" if args.shared_llvm else "private copies",
                        "load_average": [load_before, os.getloadavg()[0]]},
            "rounds": args.rounds, "runs": runs, "summary": summarize(runs)}
-    out_dir = ROOT / "bench-results"
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"footprint-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(res, indent=2) + "\n")
-    md = render(res)
-    print("\n" + md + f"raw results: {path.relative_to(ROOT)}")
-    if args.write_md:
-        report.update_markdown(ROOT / "BENCHMARKS.md", md, begin=BEGIN, end=END,
-                               heading="Resident memory and start-up, lever by lever")
-        print("BENCHMARKS.md updated")
+    report.publish(ROOT, "footprint", res, render(res), write_md=args.write_md, begin=BEGIN, end=END,
+                   heading="Resident memory and start-up, lever by lever")
     return 0
 
 

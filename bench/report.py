@@ -3,6 +3,8 @@ of BENCHMARKS.md, both rendered from the same results document (the JSON)."""
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,21 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
         out.append(f"| **total** | | | | | {mem['bytes_here'] / MIB:.2f} | {mem['memlock_here'] / MIB:.2f} | "
                    f"{mem['bytes_64'] / MIB:.2f} |")
     return "\n".join(out) + "\n"
+
+
+def publish(root: Path, name: str, res: dict[str, Any], md: str, *, write_md: bool, begin: str, end: str,
+            heading: str) -> Path:
+    """The raw results to bench-results/NAME-<timestamp>.json, the Markdown to the
+    terminal and, with write_md, between its markers in BENCHMARKS.md."""
+    out_dir = root / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"{name}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    print("\n" + md + f"raw results: {path.relative_to(root)}")
+    if write_md:
+        update_markdown(root / "BENCHMARKS.md", md, begin=begin, end=end, heading=heading)
+        print("BENCHMARKS.md updated")
+    return path
 
 
 def update_markdown(path: Path, section: str, begin: str = BEGIN, end: str = END,

@@ -10,7 +10,12 @@ returned here, once, right after attach:
 
 - malloc_trim(0) gives the free heap back to the kernel;
 - madvise(MADV_PAGEOUT) over the compiler's file mappings, then over every
-  other shared library's, drops their resident pages. They stay mapped, so
+  other shared library's, drops their resident pages;
+- posix_fadvise(DONTNEED) over the compiler's files drops what is left of
+  them in the page cache: the pages readahead brought in that were never
+  mapped (~80 MiB). They would be reclaimed first under pressure, but until
+  then they are charged to the agent's memory cgroup: its steady charge falls
+  from ~180 to ~100 MiB (BENCHMARKS.md, "Memory cgroup charge"). They stay mapped, so
   what the agent does use faults back in from the page cache on first use
   (a minor fault, once: the steady working set is what stays resident), and a
   later call into the compiler (a second compile, the destructors at exit)
@@ -51,12 +56,23 @@ class Released:
     error: str | None = None
     library_bytes: int = 0  # size of the other shared libraries' ranges advised
     library_ranges: int = 0
+    files_dropped: int = 0  # compiler files whose unmapped page cache was dropped
+    peak_bytes: int | None = None  # VmHWM before the release: the compile's resident peak
+    map_bytes: int | None = None   # the BPF maps' kernel memory
 
     def describe(self) -> str:
         text = (f"heap trimmed: {'yes' if self.trimmed else 'no'}; compiler mappings paged out: "
-                f"{self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB mapped; other shared libraries: "
+                f"{self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB mapped"
+                + (f", page cache of {self.files_dropped} files dropped" if self.files_dropped else "")
+                + "; other shared libraries: "
                 f"{self.library_ranges} ranges, {self.library_bytes / 2**20:.0f} MiB mapped")
-        return text + (f" ({self.error})" if self.error else "")
+        text += f" ({self.error})" if self.error else ""
+        if self.peak_bytes is not None:
+            # A container's memory limit holds both (BENCHMARKS.md, "Memory cgroup charge").
+            text += f"; start-up peak {self.peak_bytes / 2**20:.0f} MiB resident (VmHWM)"
+            if self.map_bytes is not None:
+                text += f" + {self.map_bytes / 2**20:.1f} MiB of BPF maps in kernel memory"
+        return text
 
 
 def compiler_ranges(maps_text: str, pattern: re.Pattern[str] = COMPILER_LIBRARIES,
@@ -100,19 +116,78 @@ def page_out(ranges: list[tuple[int, int]], libc: ctypes.CDLL | None = None) -> 
     return done, error
 
 
+def compiler_files(maps_text: str) -> list[str]:
+    """The compiler libraries' paths in /proc/PID/maps, each once."""
+    out = []
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and COMPILER_LIBRARIES.search(fields[5]) and fields[5] not in out:
+            out.append(fields[5])
+    return out
+
+
+def drop_page_cache(paths: list[str]) -> tuple[int, str | None]:
+    """posix_fadvise(DONTNEED) over whole files: the kernel drops their cached
+    pages that no process maps. (files done, first error or None)"""
+    done, error = 0, None
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            done += 1
+        except OSError as e:
+            error = error or f"posix_fadvise({path}): {e.strerror}"
+    return done, error
+
+
 def library_ranges(maps_text: str) -> list[tuple[int, int]]:
     """The shared libraries' mappings other than the compiler's."""
     return compiler_ranges(maps_text, SHARED_LIBRARIES, but=COMPILER_LIBRARIES)
 
 
-def release_compiler_memory(maps: Path = Path("/proc/self/maps")) -> Released:
+def resident_peak(status: Path = Path("/proc/self/status")) -> int | None:
+    """VmHWM in bytes: the most this process has had resident (the compile)."""
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def bpf_map_bytes(fdinfo: Path = Path("/proc/self/fdinfo")) -> int | None:
+    """The kernel memory of the BPF maps this process holds (their `memlock`),
+    which is charged to its memory cgroup beside its pages; None if unreadable."""
+    total = 0
+    try:
+        entries = list(fdinfo.iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            fields = dict(line.split(":", 1) for line in entry.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue  # closed meanwhile
+        if "map_type" in fields and fields.get("memlock", "").strip().isdigit():
+            total += int(fields["memlock"])
+    return total
+
+
+def release_compiler_memory(maps: Path = Path("/proc/self/maps"), proc_self: Path = Path("/proc/self")) -> Released:
     libc = _libc()
+    peak, map_bytes = resident_peak(proc_self / "status"), bpf_map_bytes(proc_self / "fdinfo")
     trimmed = trim_heap(libc)
     try:
         text = maps.read_text()
     except OSError as e:
-        return Released(trimmed, 0, 0, f"cannot read {maps}: {e.strerror}")
+        return Released(trimmed, 0, 0, f"cannot read {maps}: {e.strerror}", peak_bytes=peak, map_bytes=map_bytes)
     ranges, others = compiler_ranges(text), library_ranges(text)
     advised, error = page_out(ranges, libc)
+    dropped, drop_error = drop_page_cache(compiler_files(text))
     library_bytes, library_error = page_out(others, libc)
-    return Released(trimmed, advised, len(ranges), error or library_error, library_bytes, len(others))
+    return Released(trimmed, advised, len(ranges), error or drop_error or library_error, library_bytes,
+                    len(others), files_dropped=dropped, peak_bytes=peak, map_bytes=map_bytes)

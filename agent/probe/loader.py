@@ -107,6 +107,16 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
     return [f"-I{bpf_source_dir()}"] + [f"-D{k}={v:#x}" for k, v in values.items()]
 
 
+class MapMemoryError(Exception):
+    """The kernel refused a BPF map's memory: under a memory cgroup's limit, the
+    maps' kernel memory is charged on top of what the compile holds."""
+
+    def __str__(self) -> str:
+        return ("the kernel refused memory for the BPF maps (Cannot allocate memory): the memory cgroup's "
+                "limit is too small for the maps' kernel memory on top of the compile's peak; raise the "
+                "container's memory limit (BENCHMARKS.md, 'Memory cgroup charge')")
+
+
 # Per-CPU write-combining caches -> entry type. Each holds two halves, one
 # per generation, of max_entries / 2 entries.
 CACHES = {"hist_cache": HistSlot, "blame_cache": BlameSlot}
@@ -144,7 +154,14 @@ class Probe:
 
         mode = attach_mode(features, tracepoints)
         src = bpf_source_dir() / "sched.bpf.c"
-        bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode))
+        try:
+            bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode))
+        except Exception:
+            # libbcc's errno when it gave up (ctypes keeps it): ENOMEM is a map
+            # the kernel could not charge, BCC's message says "failed to compile".
+            if ct.get_errno() == errno.ENOMEM:
+                raise MapMemoryError() from None
+            raise
         ncpu = len(bpf[b"errors"].getvalue(0))
         probe = cls(bpf, ncpu)
         probe.mode = mode

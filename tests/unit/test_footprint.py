@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from agent.probe.footprint import Released, compiler_ranges, library_ranges
+from pathlib import Path
+
+from agent.probe.footprint import (Released, bpf_map_bytes, compiler_files, compiler_ranges, drop_page_cache,
+                                   library_ranges, resident_peak)
 
 # /proc/PID/maps lines as a Debian 12 agent shows them after BCC compiled.
 MAPS = """\
@@ -48,3 +51,35 @@ def test_description_names_what_was_done() -> None:
                     "other shared libraries: 120 ranges, 90 MiB mapped")
     assert Released(False, 0, 0, "madvise(MADV_PAGEOUT): Invalid argument").describe().endswith(
         "(madvise(MADV_PAGEOUT): Invalid argument)")
+
+
+def test_description_ends_with_the_start_up_peak() -> None:
+    text = Released(True, 161 << 20, 7, peak_bytes=165 << 20, map_bytes=int(50.2 * (1 << 20))).describe()
+    assert text.endswith("; start-up peak 165 MiB resident (VmHWM) + 50.2 MiB of BPF maps in kernel memory")
+
+
+def test_peak_and_map_memory_come_from_proc(tmp_path: Path) -> None:
+    """VmHWM from status; memlock summed over the fds that are BPF maps only."""
+    (tmp_path / "status").write_text("Name:\tslatrace\nVmPeak:\t 900000 kB\nVmHWM:\t  168404 kB\nVmRSS:\t 57940 kB\n")
+    fdinfo = tmp_path / "fdinfo"
+    fdinfo.mkdir()
+    (fdinfo / "3").write_text("pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n")
+    (fdinfo / "4").write_text("pos:\t0\nflags:\t02000002\nmap_type:\t1\nkey_size:\t16\nmemlock:\t25165824\n")
+    (fdinfo / "5").write_text("pos:\t0\nmap_type:\t27\nkey_size:\t0\nmemlock:\t4222976\n")
+    (fdinfo / "6").write_text("pos:\t0\nprog_type:\t5\nmemlock:\t4096\n")
+    assert resident_peak(tmp_path / "status") == 168404 * 1024
+    assert bpf_map_bytes(fdinfo) == 25165824 + 4222976
+    assert resident_peak(tmp_path / "missing") is None and bpf_map_bytes(tmp_path / "missing") is None
+
+
+def test_the_compiler_files_are_named_once() -> None:
+    assert compiler_files(MAPS) == ["/usr/lib/x86_64-linux-gnu/libLLVM-14.so.1",
+                                    "/usr/lib/llvm-14/lib/libclang-cpp.so.14"]
+    text = Released(True, 161 << 20, 7, files_dropped=2).describe()
+    assert "161 MiB mapped, page cache of 2 files dropped; other shared libraries" in text
+
+
+def test_dropping_the_page_cache_of_a_missing_file_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "lib.so").write_bytes(b"x" * 8192)
+    done, error = drop_page_cache([str(tmp_path / "lib.so"), str(tmp_path / "gone.so")])
+    assert done == 1 and error is not None and "gone.so" in error
