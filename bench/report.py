@@ -152,23 +152,35 @@ def render_scale(res: dict[str, Any], images: list[str]) -> str:
 
 def total_cost_table(res: dict[str, Any]) -> list[str]:
     """The workloads' slowdown and added CPU time per context switch, beside
-    the programs' own time; the figure each target is judged on in bold."""
+    the programs' own time; the figure each target is judged on in bold. With
+    the floor arm in the rounds, the floor's and each tool's ratio to it."""
+    floor = any("floor" in t["wall"]["added_ns_per_switch"] for t in res["total_cost"].values())
     rows = ["| workload | switches per run (no tool) | measure | slatrace: added ns / switch | "
-            "runqlat: added ns / switch | slatrace / runqlat |",
-            "|---|---:|---|---:|---:|---:|"]
+            "runqlat: added ns / switch | slatrace / runqlat |"
+            + (" floor: added ns / switch | slatrace / floor | runqlat / floor |" if floor else ""),
+            "|---|---:|---|---:|---:|---:|" + ("---:|---:|---:|" if floor else "")]
+    tools = ("slatrace", "runqlat", "floor") if floor else ("slatrace", "runqlat")
     for w, t in res["total_cost"].items():
         label = w
         alone = res["alone"]["summary"].get(w, {})
-        k = [(alone.get(tool) or {}).get("all_programs_ns_per_switch") for tool in ("slatrace", "runqlat")]
+        k = [(alone.get(tool) or {}).get("all_programs_ns_per_switch") for tool in tools]
         for kind, what in (("wall", "wall-clock slowdown"), ("cpu", "workload CPU time")):
             added, ratio = t[kind]["added_ns_per_switch"], _ratio(t[kind]["ratio"])
             ratio += interval(t[kind].get("ratio_95"))
             if kind == t.get("judged"):
                 ratio = f"**{ratio}**"
-            rows.append(f"| {label} | {t['switches']:.0f} | {what} | {_ns(added['slatrace'])} | "
-                        f"{_ns(added['runqlat'])} | {ratio} |")
+            row = (f"| {label} | {t['switches']:.0f} | {what} | {_ns(added['slatrace'])} | "
+                   f"{_ns(added['runqlat'])} | {ratio} |")
+            if floor:
+                fr, fr95 = t[kind].get("floor_ratio") or {}, t[kind].get("floor_ratio_95") or {}
+                row += f" {_ns(added.get('floor'))} |" + "".join(
+                    f" {_ratio(fr.get(c))}{interval(fr95.get(c))} |" for c in ("slatrace", "runqlat"))
+            rows.append(row)
         ratio = _ratio(k[0] / k[1] if k[0] and k[1] else None)
-        rows.append(f"| {label} | | BPF programs' own time | {_ns(k[0])} | {_ns(k[1])} | {ratio} |")
+        row = f"| {label} | | BPF programs' own time | {_ns(k[0])} | {_ns(k[1])} | {ratio} |"
+        if floor:
+            row += f" {_ns(k[2])} |" + "".join(f" {_ratio(x / k[2] if x and k[2] else None)} |" for x in k[:2])
+        rows.append(row)
     return rows
 
 
@@ -227,7 +239,10 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
             "several times what a tool adds, so its interval is wide; the ring switches between as many tasks "
             "every ~6 us. The programs' own time per switch (kernel BPF stats, "
             "the rounds with one tool) is the third line; the rest is what the kernel pays around the program "
-            "(tracepoint, record set-up).", ""]
+            "(tracepoint, record set-up). The floor is one more arm of the rounds: empty programs on "
+            "slatrace's six tracepoints, attached as the agent attaches them (bench/floor.py), what any tool "
+            "there costs before doing anything; each tool's figure is also given as a ratio to the floor's.",
+            ""]
     out += total_cost_table(res)
     if res.get("toggle"):
         out += ["", "### Total cost, the tools toggled within one run", "",

@@ -4,9 +4,11 @@ scale, in one bounded run.
 1. Both tools attached at once over the same workload runs: the kernel's
    per-program counters (kernel.bpf_stats_enabled) give ns per sched_switch
    and per wakeup for each, on exactly the same events.
-2. Interleaved rounds of none / slatrace / runqlat (order rotated each round)
-   over the same workloads: throughput medians and ratios to "none", each
-   tool's in-kernel cost alone, slatrace's start-up time, RSS and poll time.
+2. Interleaved rounds of none / slatrace / runqlat / floor (order rotated
+   each round) over the same workloads: throughput medians and ratios to
+   "none", each tool's in-kernel cost alone and its slowdown over the
+   floor's (empty programs on slatrace's tracepoints, bench/floor.py),
+   slatrace's start-up time, RSS and poll time.
 3. Scale (bench/scale.py): the agent beside 10 / 100 / 1,000 busy services
    and beside cgroup churn: CPU, memory, poll time, /metrics size, BPF map
    entries and errors, with PNG plots.
@@ -41,12 +43,16 @@ from typing import Any
 
 from bench import bpfstats, mapmem, plots, report, resample, scale, toggle, workloads
 from bench.bpfstats import BpfStatsSwitch, Counter
-from bench.tools import RUNQLAT, Runqlat, Slatrace, Tool
+from bench.tools import RUNQLAT, Floor, Runqlat, Slatrace, Tool
 from tests.support.scale import compile_worker
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("none", "slatrace", "runqlat")
-TOOLS = {"slatrace": Slatrace, "runqlat": Runqlat}
+# The floor (bench/floor.py): empty programs on slatrace's tracepoints, what
+# any tool there costs before doing anything; each tool's cost is also given
+# as a ratio to it.
+CONFIGS = ("none", "slatrace", "runqlat", "floor")
+TOOLS = {"slatrace": Slatrace, "runqlat": Runqlat, "floor": Floor}
+PEERS = ("slatrace", "runqlat")
 SETTLE_S = 0.5          # after attach/detach, so start-up and teardown stay out of the workload
 COST_RATIO_LIMIT = 1.5  # slatrace ns per scheduler event / runqlat's
 # Total cost (the workload's slowdown per context switch), slatrace / runqlat.
@@ -101,7 +107,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "run per workload (bench/toggle.py), this long each; 0 to skip (default 240, --quick 20)")
     p.add_argument("--toggle-workloads", default=",".join(toggle.WORKLOADS), metavar="NAME,...",
                    help="workloads of the toggled measurement (default %(default)s)")
-    p.add_argument("--budget", type=float, default=300.0, metavar="SECONDS",
+    p.add_argument("--budget", type=float, default=400.0, metavar="SECONDS",
                    help="start no round that would end after this (default %(default)s)")
     md = p.add_mutually_exclusive_group()
     md.add_argument("--write-md", dest="write_md", action="store_true", default=None,
@@ -426,16 +432,26 @@ def total_cost(records: list[dict[str, Any]], bench_workloads: tuple[workloads.W
             by_round: dict[int, dict[str, float]] = {}
             for r in records:
                 by_round.setdefault(r["round"], {})[r["config"]] = r[key][w.name]
-            rounds = [v for v in by_round.values() if all(c in v for c in CONFIGS)]
-            diffs = {c: [v[c] - v["none"] for v in rounds] for c in ("slatrace", "runqlat")}
+            rounds = [v for v in by_round.values() if all(c in v for c in ("none", *PEERS))]
+            tools = [c for c in CONFIGS[1:] if all(c in v for v in rounds)]
+            diffs = {c: [v[c] - v["none"] for v in rounds] for c in tools}
             added = {c: statistics.median(d) * ns_per_unit / switches if d and switches else None
                      for c, d in diffs.items()}
-            # A ratio only when both tools measurably slowed it down: below the
-            # noise a ratio of two differences means nothing.
-            ok = all(v is not None and math.isfinite(v) and v > 0 for v in added.values())
+
+            def measurable(c: str) -> bool:
+                # below the noise a ratio of two differences means nothing
+                return added.get(c) is not None and math.isfinite(added[c]) and added[c] > 0
+
+            ok = all(measurable(c) for c in PEERS)
             entry[kind] = {"added_ns_per_switch": added, "rounds": len(rounds),
                            "ratio": added["slatrace"] / added["runqlat"] if ok else None,
-                           "ratio_95": ratio_interval(diffs["slatrace"], diffs["runqlat"]) if ok else None}
+                           "ratio_95": ratio_interval(diffs["slatrace"], diffs["runqlat"]) if ok else None,
+                           # each tool's slowdown over the floor's, from the same rounds
+                           "floor_ratio": {c: added[c] / added["floor"] if measurable(c) and measurable("floor")
+                                           else None for c in PEERS if "floor" in added},
+                           "floor_ratio_95": {c: ratio_interval(diffs[c], diffs["floor"])
+                                              if measurable(c) and measurable("floor") else None
+                                              for c in PEERS if "floor" in added}}
         entry["judged"] = "wall" if w.name in TOTAL_COST_LIMITS else None
         out[w.name] = entry
     return out

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from bench import resample, workloads
+from bench import floor, resample, workloads
 from bench.tools import RUNQLAT, die_with_parent
 from tests.support.scale import compile_worker
 
@@ -71,11 +71,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# The floor: programs that do nothing, on the six tracepoints slatrace's probe
-# uses, attached the same way. What a tool costs above it is its own work.
-FLOOR = "".join(f"RAW_TRACEPOINT_PROBE({tp}) {{ return 0; }}\n" for tp in (
-    "sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task", "sched_process_fork",
-    "sched_process_exit"))
+# The floor (bench/floor.py) on the raw tracepoints, as slatrace's probe here.
+FLOOR = floor.source("raw")
 
 
 class Toggled:

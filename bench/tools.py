@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from bench import floor
 from bench.bpfstats import ProgramCounters, attached_programs
 
 PR_SET_PDEATHSIG = 1
@@ -209,19 +210,11 @@ class Slatrace(Tool):
         return attach_seconds_in(log_tail(self.log, 200))
 
 
-class Runqlat(Tool):
-    """bcc's runqlat-bpfcc, the peer to compare with; attached once it printed
-    "Tracing" and its three programs show in bpftool. SIGINT makes it print
-    its histogram and detach."""
+class _PrintsTracing(Tool):
+    """A tool that prints "Tracing" once it is attached; ready when it has and
+    its programs show in bpftool."""
 
-    name = "runqlat"
-    stop_signal = signal.SIGINT
-
-    @classmethod
-    def start(cls, log: Path, cpu: int | None = None) -> "Runqlat":
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        t0 = time.monotonic()
-        return cls(spawn([*pinned(cpu), RUNQLAT], log, env), log, t0)
+    programs: frozenset[str] = frozenset()
 
     def wait_ready(self, timeout: float = 60.0) -> float:
         deadline = self.t_spawn + timeout
@@ -229,9 +222,38 @@ class Runqlat(Tool):
             self._check_alive()
             if "Tracing" in log_tail(self.log, 50):
                 programs = attached_programs(self.pid)
-                if RUNQLAT_PROGRAMS <= set(programs):
+                if self.programs <= set(programs):
                     self.ready_seconds = time.monotonic() - self.t_spawn
                     self.counters = ProgramCounters(self.pid, programs)
                     return self.ready_seconds
             time.sleep(0.05)
-        raise RuntimeError(f"runqlat not attached {timeout:.0f} s after start:\n{log_tail(self.log)}")
+        raise RuntimeError(f"{self.name} not attached {timeout:.0f} s after start:\n{log_tail(self.log)}")
+
+
+class Runqlat(_PrintsTracing):
+    """bcc's runqlat-bpfcc, the peer to compare with; attached once it printed
+    "Tracing" and its three programs show in bpftool. SIGINT makes it print
+    its histogram and detach."""
+
+    name = "runqlat"
+    stop_signal = signal.SIGINT
+    programs = frozenset(RUNQLAT_PROGRAMS)
+
+    @classmethod
+    def start(cls, log: Path, cpu: int | None = None) -> "Runqlat":
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        return cls(spawn([*pinned(cpu), RUNQLAT], log, env), log, t0)
+
+
+class Floor(_PrintsTracing):
+    """The floor (bench/floor.py): empty programs on slatrace's six
+    tracepoints, attached as the agent attaches them here."""
+
+    name = "floor"
+    programs = frozenset(floor.TRACEPOINTS)
+
+    @classmethod
+    def start(cls, log: Path, cpu: int | None = None) -> "Floor":
+        t0 = time.monotonic()
+        return cls(spawn([*pinned(cpu), sys.executable, "-m", "bench.floor"], log), log, t0)

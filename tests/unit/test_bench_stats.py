@@ -105,3 +105,27 @@ def test_toggle_takes_several_workloads_and_other_probe_builds(tmp_path: Path) -
         parse_args(["--workload", "ring,nope"])
     with pytest.raises(SystemExit):
         parse_args(["--also", str(tmp_path / "missing")])
+
+
+def test_the_rounds_give_each_tools_slowdown_over_the_floors() -> None:
+    """Paired per round like the tools: floor +100 ns, slatrace +250, runqlat +400 per switch."""
+    from bench.report import total_cost_table
+    from bench.run import total_cost
+
+    w = workloads.Workload("pipe (pinned)", "s", ("taskset", "-c", "1", "perf"), 1e9)
+    records = []
+    for rnd, base in enumerate((1.00, 1.02, 0.98)):   # the host drifts between rounds
+        for config, added_ns in (("none", 0), ("slatrace", 250), ("runqlat", 400), ("floor", 100)):
+            wall = base + added_ns * 1000 / 1e9        # 1,000 switches a run
+            records.append({"round": rnd, "config": config, "switches": {w.name: 1000},
+                            "workloads": {w.name: wall}, "workload_cpu_s": {w.name: wall}})
+    wall = total_cost(records, (w,))[w.name]["wall"]
+    assert wall["added_ns_per_switch"] == pytest.approx({"slatrace": 250, "runqlat": 400, "floor": 100})
+    assert wall["floor_ratio"] == pytest.approx({"slatrace": 2.5, "runqlat": 4.0})
+    assert wall["floor_ratio_95"]["slatrace"] == pytest.approx([2.5, 2.5])
+    res = {"total_cost": total_cost(records, (w,)), "alone": {"summary": {}}}
+    assert total_cost_table(res)[2].endswith("| 100 | 2.50x (2.50–2.50) | 4.00x (4.00–4.00) |")
+    # rounds without the arm (an older run's records): the table keeps its old columns
+    old = total_cost([r for r in records if r["config"] != "floor"], (w,))
+    assert "floor" not in old[w.name]["wall"]["added_ns_per_switch"] and not old[w.name]["wall"]["floor_ratio"]
+    assert "floor" not in total_cost_table({"total_cost": old, "alone": {"summary": {}}})[0]
