@@ -116,9 +116,42 @@ static __always_inline void hist_flush(struct hist_key *key, u64 count, u64 sum)
     __sync_fetch_and_add(&val->sum_ns, sum);
 }
 
-/* Adds one wait to its slot's entry of this CPU's hist_cache (see sched.h).
- * Same rules as blame_add below: interrupts are off on this CPU, so plain
- * adds; a key that finds its entry taken flushes the other key first. */
+/* Per-CPU write-combining in front of a shared counting map (hist_cache
+ * before hists, blame_cache before blame; sched.h): adds one wait of v ns
+ * under key to e, this CPU's cache entry for it (NULL: none). Programs that
+ * touch a cache run with interrupts off on their CPU (the scheduler's wakeup
+ * and switch paths), so plain adds are safe. The entry's own key adds into
+ * it; another key flushes the entry to the shared map first and takes it
+ * over; without an entry the wait goes to the map directly. same(a, b)
+ * compares two keys but for gen (the cache's half is the generation),
+ * flush(key, count, sum) adds to the shared map, sum names the value's field
+ * of nanoseconds. A macro over the entry, not over the map: BCC rewrites map
+ * calls only where they are written, never inside a macro. */
+#define CACHE_ADD(e, k, same, flush, sum, v)                                  \
+    do {                                                                      \
+        if (!(e)) {                                                           \
+            flush(&(k), 1, (v));                                              \
+            break;                                                            \
+        }                                                                     \
+        if ((e)->val.count) {                                                 \
+            if (same(&(e)->key, &(k))) {                                      \
+                (e)->val.count++;                                             \
+                (e)->val.sum += (v);                                          \
+                break;                                                        \
+            }                                                                 \
+            flush(&(e)->key, (e)->val.count, (e)->val.sum);                   \
+        }                                                                     \
+        (e)->key = (k);                                                       \
+        (e)->val.count = 1;                                                   \
+        (e)->val.sum = (v);                                                   \
+    } while (0)
+
+static __always_inline bool hist_key_same(struct hist_key *a, struct hist_key *b)
+{
+    return a->cgid == b->cgid && a->slot == b->slot && a->kind == b->kind;
+}
+
+/* Adds one wait to its slot's entry of this CPU's hist_cache (see sched.h). */
 static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
 {
     /* The self-check's count (sched.h, tally); kind is HIST_RUNQ or HIST_IOWAIT,
@@ -130,26 +163,9 @@ static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
     u32 slot = hist_slot(v);
     u32 base = (u32)(((cgid ^ kind) * 0x9E3779B97F4A7C15ULL) >> 32);
     u32 idx = (gen & 1) * HIST_CACHE + ((base + slot) & (HIST_CACHE - 1));
+    struct hist_key key = {.cgid = cgid, .slot = slot, .kind = kind, .gen = gen};
     struct hist_slot *e = hist_cache.lookup(&idx);
-    if (!e) {
-        struct hist_key key = {.cgid = cgid, .slot = slot, .kind = kind, .gen = gen};
-        hist_flush(&key, 1, v);
-        return;
-    }
-    if (e->val.count) {
-        if (e->key.cgid == cgid && e->key.slot == slot && e->key.kind == kind) {
-            e->val.count++;
-            e->val.sum_ns += v;
-            return;
-        }
-        hist_flush(&e->key, e->val.count, e->val.sum_ns);
-    }
-    e->key.cgid = cgid;
-    e->key.slot = slot;
-    e->key.kind = kind;
-    e->key.gen = gen;
-    e->val.count = 1;
-    e->val.sum_ns = v;
+    CACHE_ADD(e, key, hist_key_same, hist_flush, sum_ns, v);
 }
 
 static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wait)
@@ -165,35 +181,20 @@ static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wa
     __sync_fetch_and_add(&val->wait_ns, wait);
 }
 
-/* Adds one wait to the pair's entry of this CPU's blame_cache (see sched.h).
- * Programs that touch the cache run with interrupts off on their CPU (the
- * scheduler's wakeup and switch paths), so plain adds are safe; a pair that
- * finds its entry taken flushes the other pair to the shared map first. */
+static __always_inline bool blame_key_same(struct blame_key *a, struct blame_key *b)
+{
+    return a->victim_cgid == b->victim_cgid && a->culprit_cgid == b->culprit_cgid && a->kind == b->kind;
+}
+
+/* Adds one wait to the pair's entry of this CPU's blame_cache (see sched.h). */
 static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
 {
     u64 h = (victim * 0x9E3779B97F4A7C15ULL) ^ (culprit * 0xC2B2AE3D27D4EB4FULL) ^ kind;
     /* The product's high bits mix every input bit; BLAME_CACHE is a power of two. */
     u32 idx = (gen & 1) * BLAME_CACHE + ((u32)(h >> 32) & (BLAME_CACHE - 1));
+    struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
     struct blame_slot *e = blame_cache.lookup(&idx);
-    if (!e) {
-        struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
-        blame_flush(&key, 1, wait);
-        return;
-    }
-    if (e->val.count) {
-        if (e->key.victim_cgid == victim && e->key.culprit_cgid == culprit && e->key.kind == kind) {
-            e->val.count++;
-            e->val.wait_ns += wait;
-            return;
-        }
-        blame_flush(&e->key, e->val.count, e->val.wait_ns);
-    }
-    e->key.victim_cgid = victim;
-    e->key.culprit_cgid = culprit;
-    e->key.kind = kind;
-    e->key.gen = gen;
-    e->val.count = 1;
-    e->val.wait_ns = wait;
+    CACHE_ADD(e, key, blame_key_same, blame_flush, wait_ns, wait);
 }
 
 #ifdef RAW_TP

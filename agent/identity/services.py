@@ -5,12 +5,11 @@ cached per cgroup id; an entry is re-resolved when the cgroup's path changes,
 when the pod index changes, or after `refresh_s`, because `comm` and `pid`
 rules depend on which processes are in the cgroup right now.
 
-Automatic names (as the interface spec defines them): a Kubernetes container -> NAMESPACE/WORKLOAD, a
-systemd unit -> the unit name, a Docker container -> its name, the root cgroup
--> host, any other cgroup -> its path. A service whose cgroups stop showing up
-is forgotten after `retention_s`, so the listing does not grow forever.
-
-What each service is made of, for the API, is agent/identity/listing.py's job.
+The automatic names (a pod's workload, a systemd unit, a Docker container,
+host, the cgroup path) are agent/identity/automatic.py's. A service whose
+cgroups stop showing up is forgotten after `retention_s`, so the listing does
+not grow forever. What each service is made of, for the API, is
+agent/identity/listing.py's job.
 """
 
 from __future__ import annotations
@@ -24,27 +23,26 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.identity.automatic import HOST, Identity, identify
+from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
+from agent.identity.docker import DockerNames
+from agent.identity.kubernetes import PodIndex
 from agent.identity.rules import ServiceRule
 from agent.probe.snapshot import KERNEL_CGID
-from agent.identity.cgroups import CgroupPaths, cgroup_glob_matches, cgroup_glob_regex
-from agent.identity.docker import DockerNames, docker_container_id
-from agent.identity.kubernetes import PodIndex, parse_kubepods_path
-from agent.identity.systemd import systemd_unit
 
 log = logging.getLogger(__name__)
 
+# HOST (the root cgroup's automatic name) is automatic.py's; it is named here
+# too, beside the other names every consumer of service names must know.
 __all__ = [
     "HOST",
     "OTHER",
     "UNKNOWN",
-    "Identity",
     "Service",
     "KERNEL",
     "ServiceResolver",
-    "identify",
 ]
 
-HOST = "host"
 UNKNOWN = "unknown"
 OTHER = "other"
 
@@ -56,64 +54,6 @@ class Service:
 
     name: str
     source: str
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What one cgroup is, from its path and the metadata behind it. `name` and
-    `source` are the automatic service name; the rest feeds rules and listings."""
-
-    name: str
-    source: str
-    pod_uid: str | None = None
-    namespace: str | None = None
-    pod: str | None = None
-    workload: str | None = None
-    container: str | None = None
-    container_id: str | None = None
-    runtime: str | None = None
-    qos: str | None = None
-    unit: str | None = None
-
-    def details(self) -> dict:
-        """The non-empty identity fields, for /api/v1/services."""
-        keys = ("pod_uid", "namespace", "pod", "workload", "container", "container_id",
-                "runtime", "qos", "unit")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-
-def identify(path: str, pods: PodIndex | None = None, docker: DockerNames | None = None) -> Identity:
-    """The automatic identity of cgroup `path`; kubepods first, because pod
-    containers are also systemd scopes and may be Docker containers."""
-    if path == "/":
-        return Identity(HOST, "host")
-    ref = parse_kubepods_path(path)
-    if ref is not None:
-        info = pods.get(ref.pod_uid) if pods is not None else None
-        if info is None:
-            # Without the API only the UID is known; the name changes to
-            # NAMESPACE/WORKLOAD as soon as the pod object arrives.
-            return Identity(f"pod/{ref.pod_uid}", "k8s", pod_uid=ref.pod_uid,
-                            container_id=ref.container_id, runtime=ref.runtime, qos=ref.qos)
-        container = None
-        if ref.container_id is not None:
-            container = info.containers.get(ref.container_id)
-            if container is None:  # the API may list a 12-char prefix or the full ID
-                container = next((n for cid, n in info.containers.items()
-                                  if cid.startswith(ref.container_id) or ref.container_id.startswith(cid)),
-                                 None)
-        return Identity(info.service_name, "k8s", pod_uid=ref.pod_uid, namespace=info.namespace,
-                        pod=info.name, workload=info.workload, container=container,
-                        container_id=ref.container_id, runtime=ref.runtime, qos=ref.qos)
-    cid = docker_container_id(path)
-    if cid is not None:
-        name = docker.name_of(cid) if docker is not None else None
-        return Identity(name or f"docker/{cid[:12]}", "docker", container=name, container_id=cid,
-                        runtime="docker")
-    unit = systemd_unit(path)
-    if unit is not None:
-        return Identity(unit, "systemd", unit=unit)
-    return Identity(path, "cgroup")
 
 
 # Not a service of its own (never listed): the name for ids with no cgroup behind them.

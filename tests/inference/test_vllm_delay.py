@@ -243,7 +243,8 @@ def scene(tmp_path_factory):
         ref = reference(rec.events, {vllm_pid}, follow_forks=True)
         names, every_name = census.names, dict(census.every_name)
         occupancy = cpu_occupancy(rec.events)
-        yield {"requests": requests, "docs": got, "names": names, "every_name": every_name, "ref": ref, "offset_ns": offset_ns,
+        yield {"requests": requests, "docs": got, "names": names, "every_name": every_name, "ref": ref,
+               "offset_ns": offset_ns,
                "explain": explain, "listing": listing, "timings": timings,
                "occupancy": occupancy, "vllm_tids": ref.tids, "spans": SpanIndex(ref.spans), "engines": engines,
                "engine_url": engine.url, "attributed": attributed}

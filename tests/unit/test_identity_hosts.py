@@ -12,7 +12,8 @@ from agent.identity.cgroups import CgroupPaths
 from agent.identity.docker import DockerNames, docker_container_id
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.listing import describe
-from agent.identity.services import Service, ServiceResolver, identify
+from agent.identity.automatic import identify
+from agent.identity.services import Service, ServiceResolver
 from agent.identity.systemd import systemd_unit
 from tests.support.fake_host import make_cgroup_dir
 

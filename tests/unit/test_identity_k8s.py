@@ -19,7 +19,8 @@ from agent.config import ServiceRule
 from agent.identity.cgroups import CgroupPaths
 from agent.identity.kubernetes import PodIndex, parse_kubepods_path, pod_info, workload_name
 from agent.identity.listing import describe
-from agent.identity.services import Service, ServiceResolver, identify
+from agent.identity.automatic import identify
+from agent.identity.services import Service, ServiceResolver
 from tests.support.fake_host import make_cgroup_dir
 
 FIXTURES = Path(__file__).parent / "fixtures" / "k8s"
