@@ -142,9 +142,11 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
         rows.append((name, _bar(offset, value, e2e, "cyan", width), fmt_seconds(value)))
         waited = cut.get(name)
         if waited is not None and waited["delay_seconds"] > 0:
-            top = waited["delay_by"][0]["service"] if waited["delay_by"] else None
+            # The phase's wait and its largest share, by name and seconds.
+            top = waited["delay_by"][0] if waited["delay_by"] else None
             rows.append(("  of it, CPU wait", _bar(offset, waited["delay_seconds"], e2e, "red", width),
-                         fmt_seconds(waited["delay_seconds"]) + (f" {top}" if top else "")))
+                         fmt_seconds(waited["delay_seconds"])
+                         + (f" ({top['service']} {fmt_seconds(top['seconds'])})" if top else "")))
         offset += value
     ttft = doc.get("ttft")
     if ttft is not None:

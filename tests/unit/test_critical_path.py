@@ -173,17 +173,20 @@ def test_explain_draws_each_phases_cpu_wait_under_it():
     from agent.cli.requests import timeline
 
     doc = {"service": "vllm", "e2e": 1.0, "ttft": 0.2, "phases": {"queue": 0.01, "prefill": 0.19, "decode": 0.8},
-           "sched": {"delay_seconds": 0.5, "delay_by": [{"service": "batch", "seconds": 0.4},
-                                                        {"service": "idle", "seconds": 0.1}],
+           "sched": {"delay_seconds": 0.5, "delay_by": [{"service": "batch", "seconds": 0.3},
+                                                        {"service": "idle", "seconds": 0.1},
+                                                        {"service": "vllm", "seconds": 0.1}],
                      "phases": [{"phase": "prefill", "start": 0.01, "end": 0.2, "delay_seconds": 0.1,
                                  "delay_by": [{"service": "idle", "seconds": 0.1}]},
                                 {"phase": "decode", "start": 0.2, "end": 1.0, "delay_seconds": 0.4,
-                                 "delay_by": [{"service": "batch", "seconds": 0.4}]}]}}
+                                 "delay_by": [{"service": "batch", "seconds": 0.3},
+                                              {"service": "vllm", "seconds": 0.1}]}]}}
     rows = [(label, duration) for label, _, duration in timeline(doc, width=10)]
     assert rows == [("end to end", "1.00 s"), ("queue", "10 ms"), ("prefill", "0.19 s"),
-                    ("  of it, CPU wait", "0.10 s idle"), ("decode", "0.80 s"), ("  of it, CPU wait", "0.40 s batch"),
-                    ("first token", "0.20 s"), ("waited for a CPU", "0.50 s"), ("  batch", "0.40 s"),
-                    ("  idle CPU (wake-up)", "0.10 s")]
+                    ("  of it, CPU wait", "0.10 s (idle 0.10 s)"), ("decode", "0.80 s"),
+                    ("  of it, CPU wait", "0.40 s (batch 0.30 s)"),
+                    ("first token", "0.20 s"), ("waited for a CPU", "0.50 s"), ("  batch", "0.30 s"),
+                    ("  idle CPU (wake-up)", "0.10 s"), ("  its own threads", "0.10 s")]
     # The decode's wait is drawn where the decode is: from 20% of the way.
     bar = timeline(doc, width=10)[5][1]
     assert bar.plain == "··████····"
