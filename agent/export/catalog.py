@@ -281,12 +281,14 @@ TRACES: tuple[MetricSpec, ...] = (
 
 # -- The inference engines' own figures: EngineCollector, from agent.traces.engines.EngineScraper.
 _ENGINES = "engine scraper (EngineScraper)"
+# A summary, as RUNQ_QUANTILE: a gauge may not carry a `quantile` label.
 ENGINE_LATENCY = declare(
-    "slatrace_engine_latency_quantile_seconds", "gauge",
+    "slatrace_engine_latency_quantile_seconds", "summary",
     f"The inference engine's own latency quantiles over the last {QUANTILE_WINDOW_S:.0f} s, from its Prometheus "
     "histograms (time to first token, inter-token, queue, prefill, decode, end to end), by phase and the "
-    "engine's metric name; plot beside the same service's request scheduling delay.",
-    ("service", "phase", "metric", "quantile"), unit="s", source=_ENGINES, openmetrics_unit="seconds")
+    "engine's metric name; _sum and _count are the engine's own since it started; plot beside the same "
+    "service's request scheduling delay.",
+    ("service", "phase", "metric"), unit="s", source=_ENGINES, openmetrics_unit="seconds")
 ENGINE_SCRAPE_ERRORS = declare(
     "slatrace_engine_scrape_errors", "counter",
     "Scrapes of an inference engine's metrics that failed (engine down, or not Prometheus text); logged once "

@@ -3,14 +3,14 @@ forwarding (TraceCollector), and the inference engines' own latency quantiles
 (EngineCollector).
 
 agent/traces counts in plain numbers (TraceCounters.totals(),
-EngineScraper.latency_quantiles()) and imports nothing of the exporters; the
+EngineScraper.latency_summaries()) and imports nothing of the exporters; the
 families are declared in agent/export/catalog.py and built here at scrape time.
 Every family is written even without samples, as it always was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client.core import Metric
@@ -35,7 +35,7 @@ from agent.export.catalog import (
     TRACES,
     TRUNCATED_ATTRIBUTES,
 )
-from agent.export.figures import Family, Point
+from agent.export.figures import Family, Point, SummaryPoint
 from agent.export.prometheus import declared, to_metric
 
 __all__ = ["EngineCollector", "TraceCollector"]
@@ -62,10 +62,19 @@ class _TraceCounters(Protocol):
     def totals(self) -> _TraceTotals: ...
 
 
+class _EngineSummary(Protocol):
+    service: str
+    phase: str
+    metric: str
+    quantiles: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+
 class _EngineScraper(Protocol):
     errors: int
 
-    def latency_quantiles(self, window_s: float) -> list[tuple[str, str, str, float, float]]: ...
+    def latency_summaries(self, window_s: float) -> Sequence[_EngineSummary]: ...
 
 
 def _by_key(counts: Mapping) -> tuple[Point, ...]:
@@ -113,9 +122,9 @@ class EngineCollector(Collector):
         self._scraper = scraper
 
     def families(self) -> tuple[Family, ...]:
-        quantiles = tuple(Point((service, phase, metric, str(q)), value) for service, phase, metric, q, value
-                          in self._scraper.latency_quantiles(QUANTILE_WINDOW_S))
-        return (Family(ENGINE_LATENCY, quantiles),
+        summaries = tuple(SummaryPoint((e.service, e.phase, e.metric), e.quantiles, int(e.count), e.sum)
+                          for e in self._scraper.latency_summaries(QUANTILE_WINDOW_S))
+        return (Family(ENGINE_LATENCY, summaries),
                 Family(ENGINE_SCRAPE_ERRORS, (Point((), self._scraper.errors),)))
 
     def collect(self) -> Iterator[Metric]:

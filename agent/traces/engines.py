@@ -17,15 +17,28 @@ import time
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from agent.traces.engine_metrics import QUANTILES, EngineHistogram, parse_histograms, window_figures
 from agent.workers import Worker
 
-__all__ = ["ENGINES_PATH", "EngineScraper", "engine_routes", "engine_window", "requests_figures"]
+__all__ = ["ENGINES_PATH", "EngineScraper", "EngineSummary", "engine_routes", "engine_window", "requests_figures"]
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 8 << 20
+
+
+@dataclass(frozen=True)
+class EngineSummary:
+    """One engine histogram as a Prometheus summary: recent quantiles, totals since the engine started."""
+
+    service: str
+    phase: str
+    metric: str                                   # the engine's own metric name
+    quantiles: tuple[tuple[float, float], ...]    # (q, seconds) over the window
+    count: float
+    sum: float
 
 
 def fetch(url: str, timeout: float = 2.0) -> str:
@@ -95,17 +108,23 @@ class EngineScraper:
                         "latency": window_figures(last[1], first[1] if first is not last else None)})
         return out
 
-    def latency_quantiles(self, window_s: float) -> list[tuple[str, str, str, float, float]]:
-        """(service, phase, the engine's metric name, quantile, seconds) over the
-        last `window_s` seconds, for /metrics; a phase the engine does not
-        expose, or one without requests in the window, has none."""
+    def latency_summaries(self, window_s: float) -> list[EngineSummary]:
+        """Per service and phase the engine exposes, for /metrics: the
+        quantiles over the last `window_s` seconds (none without requests in
+        the window) and the count and sum of seconds since the engine started
+        (its histogram's own, from the newest scrape)."""
+        with self._lock:
+            newest = {s: scrapes[-1][1] for s, (_, scrapes) in self._scrapes.items() if scrapes}
         out = []
         for fig in self.figures(window_s):
+            hists = newest.get(fig["service"], {})
             for phase, f in sorted(fig["latency"].items()):
-                for q in QUANTILES:
-                    value = f.get(f"p{round(q * 100)}")
-                    if f["count"] and value is not None:
-                        out.append((fig["service"], phase, f["metric"], q, value))
+                total = hists.get(phase)
+                if total is None:
+                    continue
+                quantiles = tuple((q, f[f"p{round(q * 100)}"]) for q in QUANTILES
+                                  if f["count"] and f.get(f"p{round(q * 100)}") is not None)
+                out.append(EngineSummary(fig["service"], phase, f["metric"], quantiles, total.count, total.sum))
         return out
 
     def _count_error(self, error: BaseException) -> None:

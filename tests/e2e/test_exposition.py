@@ -4,7 +4,8 @@ Prometheus's own scraper tolerates a family written twice; the exposition
 format does not, and promtool, OpenMetrics parsers and other agents that scrape
 Prometheus endpoints reject the whole scrape. So while request spans flow in
 over both OTLP receivers (the API server and the OTLP/HTTP receiver both count
-connections) and short-lived services come and go, every scrape must pass
+connections), an engine's own histograms are scraped (recorded from vLLM) and
+short-lived services come and go, every scrape must pass
 `promtool check metrics` in the text format, and parse with prometheus_client's
 strict OpenMetrics parser when the scraper asks for OpenMetrics, as Prometheus
 does by default.
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -26,6 +28,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 
 from tests.support import needs_kernel, require_kernel
 from tests.support.agent import REPO, Agent, free_port, post_traces
+from tests.support.engine_metrics import engine_endpoint
 from tests.support.scale import Churn, Duty
 from tests.support.workload import TestCgroup
 
@@ -66,8 +69,13 @@ def promtool_check(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def scrapes(tmp_path_factory: pytest.TempPathFactory) -> list[Scrape]:
+def scrapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Scrape]]:
     needs_kernel()
+    with engine_endpoint() as engine_url:
+        yield _scrapes_under_load(tmp_path_factory, engine_url)
+
+
+def _scrapes_under_load(tmp_path_factory: pytest.TempPathFactory, engine_url: str) -> list[Scrape]:
     if shutil.which("promtool") is None:
         require_kernel("promtool is not installed (SLATRACE_SETUP_TEST=1 scripts/setup.sh installs it)")
     tmp = tmp_path_factory.mktemp("exposition")
@@ -76,6 +84,7 @@ def scrapes(tmp_path_factory: pytest.TempPathFactory) -> list[Scrape]:
         "services": [{"name": "infer-exposition", "cgroup": f"/slatrace-test-infer-{os.getpid()}-*"}],
         "slos": [{"service": "infer-exposition", "runq_p99": 0.0001, "request_e2e_p99": 0.05}],
         "histograms": ["*"],   # every service's buckets: the largest exposition the churn can make
+        "engines": [{"service": "infer-exposition", "url": engine_url}],
     }))
     vllm = tmp / "vllm"
     vllm.symlink_to(SERVER)   # `.../vllm serve`: a vLLM server's command line
@@ -118,7 +127,9 @@ def test_the_scrapes_carry_the_load(scrapes: list[Scrape]) -> None:
                    'slatrace_http_connections_total{outcome="served",server="otlp-http"}',
                    'slatrace_otlp_rejected_requests_total{reason="malformed",transport="http"}',
                    'slatrace_requests_attributed_total{service="infer-exposition"}',
-                   'slatrace_request_sched_delay_seconds_bucket{'):
+                   'slatrace_request_sched_delay_seconds_bucket{',
+                   '# TYPE slatrace_engine_latency_quantile_seconds summary',
+                   'slatrace_engine_latency_quantile_seconds_count{'):
         assert needle in last, f"the last scrape has no {needle}"
     churned = {line.split('service="')[1].split('"')[0] for s in scrapes for line in s.text.splitlines()
                if line.startswith("slatrace_runq_latency_seconds_count{") and "slatrace-test-exposition" in line}

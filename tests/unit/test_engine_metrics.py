@@ -180,9 +180,14 @@ def test_the_engines_quantiles_are_series_under_their_own_names():
     registry = CollectorRegistry()
     registry.register(EngineCollector(scraper))
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    family = fams["slatrace_engine_latency_quantile_seconds"]
+    assert family.type == "summary"
     q = {(s.labels["phase"], s.labels["metric"], s.labels["quantile"]): s.value
-         for s in fams["slatrace_engine_latency_quantile_seconds"].samples}
+         for s in family.samples if s.name == family.name}
     assert set(q) == {("e2e", "vllm:e2e_request_latency_seconds", x) for x in ("0.5", "0.95", "0.99")}
     # The window's three observations all fell in the (0.3, 0.5] bucket.
     assert 0.3 < q[("e2e", "vllm:e2e_request_latency_seconds", "0.5")] <= 0.5
+    # _count and _sum: the engine's own since it started (the newest scrape's 4 requests, 1.4 s).
+    totals = {s.name: s.value for s in family.samples if s.name != family.name}
+    assert totals == {family.name + "_count": 4.0, family.name + "_sum": pytest.approx(1.4)}
     assert [s.value for s in fams["slatrace_engine_scrape_errors"].samples] == [2.0]
