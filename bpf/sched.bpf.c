@@ -39,6 +39,13 @@ BPF_TABLE("hash", struct cgroup_key, struct cgroup_val, cgroups, MAX_CGROUPS);
 BPF_TABLE("percpu_array", u32, u64, errors, NR_ERRORS);
 BPF_TABLE("percpu_array", u32, u64, tally, 2 * NR_TALLY);
 BPF_TABLE("array", u32, struct ctl, ctl, 1);
+/* The drain's fence (sched.h): no program touches these maps. User space
+ * writes fence_inner's fd into fence after flipping ctl.gen, and the kernel
+ * returns from an update of a map of maps only after every program then
+ * running has finished (an RCU grace period), so none still counts into the
+ * generation about to be read. */
+BPF_ARRAY(fence_inner, u32, 1);
+BPF_ARRAY_OF_MAPS(fence, "fence_inner", 1);
 
 /* Exact per-wait events, only for cgroups user space watches. ctl.watch_on is
  * zero until something is watched, so hosts without request spans pay

@@ -5,7 +5,9 @@
  * Counting maps (hists, blame, cgroups) are drained by user space every
  * interval. Their keys carry a generation: programs count into the current
  * one (ctl.gen); the agent flips it, waits for programs that read the old
- * value to finish, then reads and deletes the old generation's entries.
+ * value to finish (the fence map in sched.bpf.c: a grace period, not a
+ * guess, as a virtual CPU can stall for milliseconds inside a program),
+ * then reads and deletes the old generation's entries.
  * Entries of dead cgroups therefore vanish within one interval, and no count
  * is lost between reading and deleting (docs/maps.md). */
 #ifndef SLATRACE_SCHED_H

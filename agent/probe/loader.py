@@ -28,11 +28,6 @@ from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW
 
 BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
-# How long a program that read the old generation may still be writing to it.
-# Tracepoint programs run to completion with preemption off (a few µs, bounded
-# by the verifier); 2 ms covers them with a wide margin, and a straggler's
-# count is not lost anyway: it lands in that generation's next drain.
-GRACE_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -202,6 +197,21 @@ class Probe:
         table = self._bpf[b"ctl"]
         table[table.Key(0)] = self._ctl
 
+    def _wait_for_programs(self) -> None:
+        """Return once no program that may have read the old ctl.gen still runs.
+
+        The kernel answers an update of a map of maps from user space only
+        after an RCU grace period (kernel/bpf/syscall.c, since 4.20), and every
+        tracepoint program runs inside an RCU read-side section: the update of
+        the fence map is that wait. A fixed sleep is not enough: a program runs
+        for microseconds, but a virtual CPU the hypervisor takes away stalls
+        inside it for as long as it is away, and a straggler that adds to an
+        entry between the read and the delete (or the zeroing of a cache
+        entry) loses its wait without a trace, in the tally as well.
+        """
+        fence = self._bpf[b"fence"]
+        fence[fence.Key(0)] = fence.Leaf(self._bpf[b"fence_inner"].map_fd)
+
     def mark_kernel_threads(self, tids: list[int]) -> int:
         """Count these tasks under the kernel pseudo cgroup from now on. New
         kernel threads are recognised in the kernel (forked by kthreadd); this
@@ -252,7 +262,7 @@ class Probe:
         old = self._ctl.gen
         self._ctl.gen = old ^ 1
         self._write_ctl()
-        time.sleep(GRACE_S)
+        self._wait_for_programs()
         mono = monotonic_ns()
         wall = time.time()
         hist_keys, hist_vals = _sum_rows(*self._drain("hists", old), *self._drain_cache("hist_cache", old),
@@ -282,7 +292,8 @@ class Probe:
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero
-        unless kernel.bpf_stats_enabled is on)."""
+        unless kernel.bpf_stats_enabled is on), and the runs the kernel
+        skipped (recursion_misses, always counted; absent before 5.12)."""
         out = {}
         for name, fd in self.program_fds().items():
             fields = {}
@@ -292,13 +303,14 @@ class Probe:
                     fields[k.strip()] = v.strip()
             except OSError:
                 continue
-            out[name] = ProgramStats(int(fields.get("run_cnt", 0)), int(fields.get("run_time_ns", 0)))
+            out[name] = ProgramStats(int(fields.get("run_cnt", 0)), int(fields.get("run_time_ns", 0)),
+                                     int(fields.get("recursion_misses", 0)))
         return out
 
     def _drain(self, name: str, gen: int) -> tuple[np.ndarray, np.ndarray]:
         """Read every entry of generation `gen`, then delete exactly those.
 
-        Runs after the flip and the grace period, so no program writes to
+        Runs after the flip and the fence, so no program writes to
         these keys any more: nothing counted between the read and the delete
         is lost. Entries of the current generation are read too (the batch
         interface cannot filter) but left alone; right after the flip there
@@ -319,7 +331,7 @@ class Probe:
         """The keys and values generation `gen` left in a per-CPU
         write-combining cache (hist_cache, blame_cache: bpf/sched.h), one row
         per used entry per CPU, then that half zeroed for its next turn. Same
-        grace period as the maps: no program adds to this half any more."""
+        fence as the maps: no program adds to this half any more."""
         slot_t = CACHES[name]
         table = self._bpf[name.encode()]
         fd, entries = table.map_fd, table.max_entries // 2

@@ -16,6 +16,7 @@ single-threaded.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import lzma
 import os
@@ -96,6 +97,15 @@ def fetch(series: str) -> Kernel:
     """The newest Debian kernel of a series, unpacked in the cache (fetched
     from Debian's registry the first time only)."""
     suite = SUITES[series]
+    (CACHE / suite).mkdir(parents=True, exist_ok=True)
+    # Two guests of one series (the cgroup v1 node runs 5.10 too) fetch it
+    # once: apt's lists of one suite take one writer at a time.
+    with open(CACHE / suite / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch_locked(series, suite)
+
+
+def _fetch_locked(series: str, suite: str) -> Kernel:
     done = CACHE / suite / "kernel"
     if (done / ".package").is_file():
         package, release = (done / ".package").read_text().split()
