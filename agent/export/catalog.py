@@ -183,6 +183,12 @@ BPF_RUN = declare(
     "slatrace_bpf_run_seconds", "counter",
     "Time spent in each BPF program over the runs slatrace_bpf_events counts; their ratio is the cost per run.",
     ("program",), unit="s", source="store")
+BPF_MISSES = declare(
+    "slatrace_bpf_program_misses", "counter",
+    "Times the kernel skipped a slatrace BPF program on its tracepoint because another BPF program, or on "
+    "classic tracepoints a BPF map operation, was in progress on that CPU; each skip loses an event, so "
+    "possibly a wait (kernels from 5.12 count them).",
+    ("program",), unit="1", source="store")
 MAP_ERRORS = declare(
     "slatrace_bpf_map_errors", "counter",
     "Failed BPF map updates (map full, busy) and dropped events, per map.",
@@ -218,7 +224,7 @@ BUILD_INFO = declare(
 SCHEDULER: tuple[MetricSpec, ...] = (
     RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
     SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
-    MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
+    BPF_MISSES, MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS, BUILD_INFO,
 )
 
 # -- The trace side: TraceCollector, from agent.traces.metrics.TraceCounters.

@@ -28,6 +28,7 @@ from agent.attribution.slo import judge_slos
 from agent.config import Slo
 from agent.export.catalog import (
     BPF_EVENTS,
+    BPF_MISSES,
     BPF_RUN,
     BUILD_INFO,
     INTERVALS,
@@ -347,6 +348,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
     for name, st in sorted(store.programs().items()):
         points[BPF_EVENTS.name].append(Point((name,), st.run_cnt))
         points[BPF_RUN.name].append(Point((name,), st.run_time_ns / 1e9))
+        points[BPF_MISSES.name].append(Point((name,), st.misses))
     # Every map is exported from the start, at 0: an error counter that appears
     # only with the first error defeats rate() and increase() in alerts.
     errors = {m: 0 for m in ERROR_MAPS} | store.error_totals()

@@ -64,10 +64,14 @@ class CgroupCounters:
 
 @dataclass(frozen=True)
 class ProgramStats:
-    """In-kernel cost of one BPF program (kernel.bpf_stats_enabled)."""
+    """In-kernel cost of one BPF program (kernel.bpf_stats_enabled), and the
+    runs the kernel skipped (always counted, from 5.12)."""
 
     run_cnt: int
     run_time_ns: int
+    # Times the kernel did not run the program on its tracepoint because a BPF
+    # program or map operation was in progress on that CPU: an event lost.
+    misses: int = 0
 
 
 

@@ -8,10 +8,13 @@ shown as coverage). A gap is a loss nothing else would show — coverage is
 computed from what arrived — such as a kernel whose map operations behave
 otherwise than the drain expects.
 
-A program delayed past the drain's grace period (a vCPU descheduled by its
-hypervisor mid-program) can count a wait in one drain and deliver it in the
-next, so the check judges a window of intervals with a little slack, not each
-interval alone.
+The tally cannot see an event the kernel never ran a program for: it skips a
+program on its tracepoint while another BPF program, or on classic
+tracepoints any BPF map operation, is in progress on that CPU, and counts the
+skip (recursion_misses, from 5.12). Those skips are judged beside the gap.
+
+The check judges a window of intervals with a little slack, not each interval
+alone.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class WaitTally:
         self.tolerance = tolerance
         self.slack = slack
         self._window: deque[np.ndarray] = deque(maxlen=window)  # rows: [seen, arrived] per kind
+        self._skipped: deque[int] = deque(maxlen=window)          # program runs the kernel skipped
+        self._misses_before: int | None = None
         self.seen_total = dict.fromkeys(KINDS, 0)
         self.missing_total = dict.fromkeys(KINDS, 0)
 
@@ -64,6 +69,9 @@ class WaitTally:
         got = arrived(snap)
         row = np.array([[snap.tally[i], got[i]] for i in range(len(KINDS))], np.int64)
         self._window.append(row)
+        misses = sum(p.misses for p in snap.programs.values())
+        self._skipped.append(max(0, misses - self._misses_before) if self._misses_before is not None else misses)
+        self._misses_before = misses
         for i, kind in enumerate(KINDS):
             self.seen_total[kind] += int(row[i, 0])
             self.missing_total[kind] += max(0, int(row[i, 0] - row[i, 1]))
@@ -81,4 +89,11 @@ class WaitTally:
                     f"the BPF programs saw {s} {kind} waits in the last {len(self._window)} intervals but {a} "
                     "reached the agent, so its figures on this kernel are incomplete: please report it with "
                     "the output of 'slatrace check --json'"))
+        skipped = sum(self._skipped)
+        if skipped > self.slack + self.tolerance * seen:
+            return TallyVerdict(False, seen, got, (
+                f"the kernel skipped slatrace's BPF programs {skipped} times in the last {len(self._window)} "
+                "intervals (another BPF program, or on classic tracepoints a BPF map operation, was running on "
+                "that CPU), so waits may be missing from its figures; on raw tracepoints (--attach-mode raw) a "
+                "program is skipped only where it would run inside itself"))
         return TallyVerdict(True, seen, got, f"{got} of {seen} waits the BPF programs saw reached the agent")

@@ -123,6 +123,7 @@ def run_mode(mode: str, seconds: float) -> dict:
     row["map_errors"] = _metric_values(metrics, "slatrace_bpf_map_errors_total")
     row["waits_missing"] = _metric_values(metrics, "slatrace_waits_missing_total")
     row["waits_seen"] = _metric_values(metrics, "slatrace_waits_seen_total")
+    row["program_misses"] = _metric_values(metrics, "slatrace_bpf_program_misses_total")
     row["readyz"] = {"status": readyz[0], "body": readyz[1].decode(errors="replace")[-2000:]}
     return row
 

@@ -120,7 +120,8 @@ def summary(name: str, doc: dict) -> str:
                      f"p99 {a.get('p99', 0) * 1e3:.2f} ms | reference {r.get('count')} waits "
                      f"{r.get('wait_seconds', 0):.4f} s p99 {(r.get('p99') or 0) * 1e3:.2f} ms gaps {r.get('gaps')}"
                      f" | map errors {sum(row.get('map_errors', {}).values()):.0f}, missing "
-                     f"{sum(row.get('waits_missing', {}).values()):.0f}, stop {row.get('stop_exit')}")
+                     f"{sum(row.get('waits_missing', {}).values()):.0f}, skipped "
+                     f"{sum(row.get('program_misses', {}).values()):.0f}, stop {row.get('stop_exit')}")
     return "\n".join(lines)
 
 

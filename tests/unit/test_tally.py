@@ -69,3 +69,25 @@ def test_a_carried_over_interval_keeps_both_tallies():
     both = carry_over(snap(10, tally=(10, 1)), snap(20, tally=(21, 2)))
     assert both.tally == (31, 3)
     assert carry_over(snap(10), snap(20, tally=(21, 2))).tally is None
+
+
+def test_programs_the_kernel_skipped_are_a_loss_the_tally_cannot_see():
+    """Every wait that reached a program arrived, but the kernel skipped the
+    switch program 40 times in one interval (fdinfo's recursion_misses, a
+    cumulative count): the verdict names the skips, and forgets them with
+    the window."""
+    from agent.probe.snapshot import ProgramStats
+
+    def with_misses(misses: int) -> ProbeSnapshot:
+        return replace(snap(1000, tally=(1000, 0)), programs={"sched_switch": ProgramStats(0, 0, misses),
+                                                               "sched_wakeup": ProgramStats(0, 0, 2)})
+
+    t = WaitTally(window=3)
+    t.observe(with_misses(3))       # 5 since load: within the slack
+    assert t.verdict().ok
+    t.observe(with_misses(43))
+    v = t.verdict()
+    assert not v.ok and v.detail.startswith("the kernel skipped slatrace's BPF programs 45 times in the last 2 ")
+    for _ in range(3):
+        t.observe(with_misses(43))  # no new skips
+    assert t.verdict().ok
