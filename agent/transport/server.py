@@ -222,7 +222,9 @@ class BackgroundHTTPServer:
         self._pool = ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix=f"{name}-worker")
         # Bind now, in the caller's thread, so a busy port fails the start at once.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio turns on TCP_NODELAY only for sockets that
+        # name it, and without it a TLS answer's close_notify waited 40 ms (delayed ACK).
+        self._sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
@@ -307,7 +309,9 @@ class BackgroundHTTPServer:
     async def _serve(self) -> None:
         self._budget = _Budget(self.limits.body_budget_bytes)
         self._bcrypt = asyncio.Semaphore(max(1, self.limits.workers // 4))
-        self._server = await asyncio.start_server(self._connection, sock=self._sock, limit=2 * READ_SIZE)
+        # backlog again: asyncio calls listen() on a given socket anew, with 100 by default.
+        self._server = await asyncio.start_server(self._connection, sock=self._sock, backlog=BACKLOG,
+                                                  limit=2 * READ_SIZE)
 
     async def _shutdown(self) -> None:
         if self._server is not None:
@@ -415,26 +419,39 @@ class BackgroundHTTPServer:
 
     async def _next_event(self, conn: h11.Connection, reader: asyncio.StreamReader, timeout: float,
                           head: bool = False):
-        """The next h11 event, reading as needed until `timeout` from now."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as e:
-                raise _Malformed(e.error_status_hint, str(e)) from None
-            if event is not h11.NEED_DATA:
-                if head and isinstance(event, h11.Request):
-                    if len(event.headers) > MAX_HEADERS:
-                        raise _Malformed(431, f"more than {MAX_HEADERS} header fields")
-                    # h11 bounds a head still arriving; one that came whole is measured here.
-                    size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
-                    if size > self.limits.max_head_bytes:
-                        raise _Malformed(431, f"a request head of more than {self.limits.max_head_bytes} bytes")
-                return event
-            data = await self._timed(reader.read(READ_SIZE), deadline - time.monotonic())
-            if not data and (conn.trailing_data[0] or conn.their_state not in (h11.IDLE, h11.DONE)):
-                raise ConnectionResetError("closed mid-request")
-            conn.receive_data(data)
+        """The next h11 event, reading as needed until `timeout` from now. One
+        deadline for all the reads: a client trickling a byte at a time would
+        otherwise arm and cancel a timer for every byte."""
+        event = self._parsed(conn, head)
+        if event is not h11.NEED_DATA:
+            return event
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                while event is h11.NEED_DATA:
+                    data = await reader.read(READ_SIZE)
+                    if not data and (conn.trailing_data[0] or conn.their_state not in (h11.IDLE, h11.DONE)):
+                        raise ConnectionResetError("closed mid-request")
+                    conn.receive_data(data)
+                    event = self._parsed(conn, head)
+        except TimeoutError:
+            self.stats.timeouts += 1
+            raise _Closed from None
+        return event
+
+    def _parsed(self, conn: h11.Connection, head: bool):
+        """h11's next event from what has arrived (NEED_DATA if incomplete), the head's limits checked."""
+        try:
+            event = conn.next_event()
+        except h11.RemoteProtocolError as e:
+            raise _Malformed(e.error_status_hint, str(e)) from None
+        if head and isinstance(event, h11.Request):
+            if len(event.headers) > MAX_HEADERS:
+                raise _Malformed(431, f"more than {MAX_HEADERS} header fields")
+            # h11 bounds a head still arriving; one that came whole is measured here.
+            size = len(event.target) + sum(len(n) + len(v) + 4 for n, v in event.headers)
+            if size > self.limits.max_head_bytes:
+                raise _Malformed(431, f"a request head of more than {self.limits.max_head_bytes} bytes")
+        return event
 
     async def _exchange(self, conn: h11.Connection, event: h11.Request, reader: asyncio.StreamReader,
                         writer: asyncio.StreamWriter, peer: tuple[str, int], local: tuple[str, int]) -> bool:

@@ -40,6 +40,17 @@ def proc_figures(pid: int) -> dict:
             "cpu_s": (int(stat[11]) + int(stat[12])) / CLK_TCK, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
+def terminate(proc: subprocess.Popen, wait_s: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `wait_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Daemon:
     """`slatrace run` from `root`, API and OTLP/HTTP on free loopback ports."""
 
@@ -77,13 +88,7 @@ class Daemon:
         return self.log.read()
 
     def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 20.0)
         self.log.close()
         os.unlink(self.log.name)
         return self.proc.returncode
