@@ -155,8 +155,14 @@ def judge_mode(name: str, row: dict) -> None:
     runq, ref = row["agent"]["runq"], row["reference"]
     assert ref["count"] > 300, f"{where}: the victim hardly waited; the scene is broken: {ref}"
     # One for one, but for the waits no tracepoint showed (the reference
-    # counts them as gaps); the agent's record covers the intervals after the go.
-    assert abs(runq["count"] - ref["count"]) <= ref["gaps"] + SLACK, f"{where}: {runq} vs {ref}"
+    # counts them as gaps) and the events the kernel did not run the programs
+    # for, which the agent counts and reports itself (its skipped programs:
+    # on classic tracepoints, while a BPF map operation or another program is
+    # in progress on that CPU; tracefs still records the event). The agent's
+    # record covers the intervals after the go.
+    skipped = sum(row["program_misses"].values())
+    assert abs(runq["count"] - ref["count"]) <= ref["gaps"] + SLACK + skipped, \
+        f"{where}: {runq} vs {ref}, {skipped:.0f} program runs skipped"
     assert runq["wait_seconds"] == pytest.approx(ref["wait_seconds"], rel=0.05), where
     # The agent's quantile is interpolated within a histogram slot: 1/16 of
     # a power of two, at most 6.25% wide.
@@ -166,11 +172,18 @@ def judge_mode(name: str, row: dict) -> None:
     # On the host other work may share the CPU (helpers, CI's own processes).
     assert hog is not None and hog["share"] >= (0.05 if name == "host" else 0.25), \
         f"{where}: the hog is not named: {culprits}"
-    if name != "host":   # nothing else runs in a guest; the host may be busy
-        assert culprits[0]["service"] == "hog", f"{where}: {culprits}"
+    if name != "host":
+        # No other service runs in a guest (the host may be busy). The guest's
+        # own kernel work does, slowed like everything under the emulator
+        # while the other guests share the host's CPUs: 0.3-0.7 s of a
+        # victim's ~8 s alone, up to 8 s of 20 s beside them.
+        services = [c for c in culprits if c["service"] != "kernel"]
+        assert services[0]["service"] == "hog", f"{where}: {culprits}"
     assert sum(row["map_errors"].values()) == 0, f"{where}: {row['map_errors']}"
     assert row["waits_missing"] and sum(row["waits_missing"].values()) == 0, f"{where}: {row['waits_missing']}"
-    assert row["readyz"]["status"] == 200, f"{where}: {row['readyz']}"
+    # Ready, unless the self-check names the programs the kernel skipped.
+    assert row["readyz"]["status"] == 200 or (skipped and "the kernel skipped" in row["readyz"]["body"]), \
+        f"{where}: {row['readyz']}"
     assert row["stop_exit"] == 0, f"{where}: {row['log_tail']}"
 
 
