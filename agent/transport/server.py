@@ -11,10 +11,12 @@ when its deadline passes:
 - the TLS handshake and a request head must arrive within `head_timeout_s`,
   a body within `body_timeout_s`, and a kept-alive connection may sit idle
   `idle_timeout_s`;
-- at most `max_connections` are open, and `max_connections_per_client` from one
-  peer address; past either, the connection (of that client) that has waited
-  longest for a request head (or its handshake) is closed to make room, so
-  stalled clients can never lock the door on `/readyz` or a Prometheus scrape;
+- at most `max_connections` are open, `max_connections_per_client` from one
+  peer address and `max_tls_connections` over TLS (asyncio holds a 256 KiB
+  read buffer for each, handshake or not); past any of them, the connection
+  (of that client, over TLS) that has waited longest for a request head (or
+  its handshake) is closed to make room, so stalled clients can never lock the
+  door on `/readyz` or a Prometheus scrape, nor take the agent's memory;
 - request bodies buffered at once are bounded in bytes: a client whose body
   would exceed the budget is read later (TCP back-pressure), not refused;
 - a client that resets costs one debug line; any other failure is one warning.
@@ -152,6 +154,9 @@ class ServerLimits:
     max_head_bytes: int = 64 << 10
     max_connections: int = 4096
     max_connections_per_client: int = 1024  # by peer address; past it that client's longest-waiting one goes
+    # Over TLS, 256 KiB of asyncio's read buffer each: 128 hold 32 MiB, where
+    # 1,000 stalled handshakes would outgrow the DaemonSet's memory limit.
+    max_tls_connections: int = 128
     body_budget_bytes: int = 64 << 20  # request bodies held in memory at once, all connections
     workers: int = 8
 
@@ -244,6 +249,7 @@ class BackgroundHTTPServer:
         self._waiting: OrderedDict[asyncio.Task, str] = OrderedDict()  # awaiting a head -> peer host
         self._per_host: dict[str, int] = {}
         self._conns: set[asyncio.Task] = set()
+        self._tls: set[asyncio.Task] = set()   # connections over TLS (or in its handshake)
         self._budget: _Budget | None = None
         # bcrypt checks running at once: a flood of new passwords queues here
         # (on the loop, costing nothing) instead of taking every worker.
@@ -338,6 +344,9 @@ class BackgroundHTTPServer:
             access = self.access
             tls = access.tls_context if access is not None else None
             if tls is not None:
+                self._tls.add(task)
+                if len(self._tls) > self.limits.max_tls_connections:
+                    self._evict_one(among=self._tls)
                 self._waiting[task] = peer[0]
                 try:
                     await self._handshake(writer, tls, peer)
@@ -377,6 +386,7 @@ class BackgroundHTTPServer:
             log.warning("%s: connection from %s:%d failed: %s", self.name, *peer, e)
         finally:
             self._conns.discard(task)
+            self._tls.discard(task)
             left = self._per_host.pop(peer[0], 1) - 1
             if left:
                 self._per_host[peer[0]] = left
@@ -408,10 +418,11 @@ class BackgroundHTTPServer:
             log.debug("%s: TLS handshake with %s:%d failed: %s", self.name, *peer, e)
             raise _Closed from None
 
-    def _evict_one(self, host: str | None = None) -> None:
-        """Close the connection (of `host`, if given) that has waited longest for a request head."""
+    def _evict_one(self, host: str | None = None, among: set[asyncio.Task] | None = None) -> None:
+        """Close the connection (of `host`, of `among`, if given) that has waited longest for a request head."""
         for task, from_host in self._waiting.items():
-            if task is not asyncio.current_task() and (host is None or from_host == host):
+            if task is not asyncio.current_task() and (host is None or from_host == host) and \
+                    (among is None or task in among):
                 self._waiting.pop(task)
                 self.stats.evicted += 1
                 task.cancel()

@@ -64,12 +64,14 @@ def test_stalled_handshakes_cost_no_thread_and_do_not_delay_probes(pki):
         took.sort()
         assert took[len(took) // 2] <= 0.1, took
         assert threading.active_count() - threads_before <= srv.limits.workers + 1
-        # Every stalled handshake is closed by the deadline (+ slack), counted as a TLS failure.
+        # Every stalled handshake is closed by the deadline (+ slack), counted as a TLS
+        # failure, or earlier to keep TLS connections under their cap, counted as evicted.
         deadline = time.monotonic() + srv.limits.head_timeout_s + 5
         while srv.stats.open and time.monotonic() < deadline:
             time.sleep(0.1)
         assert srv.stats.open == 0
-        assert srv.stats.tls_failures >= 500 and srv.stats.timeouts >= 500
+        assert srv.stats.tls_failures + srv.stats.evicted >= 500 and srv.stats.timeouts + srv.stats.evicted >= 500
+        assert srv.stats.evicted >= 500 - srv.limits.max_tls_connections
         closed = 0
         for s in stalled:
             s.settimeout(1)
@@ -78,6 +80,43 @@ def test_stalled_handshakes_cost_no_thread_and_do_not_delay_probes(pki):
             except OSError:
                 closed += 1
         assert closed == 500
+    finally:
+        for s in stalled:
+            s.close()
+        srv.stop()
+
+
+def test_tls_connections_are_capped_by_evicting_the_longest_stalled(pki):
+    """asyncio holds a 256 KiB read buffer for every TLS connection, handshake
+    or not: 300 stalled handshakes against a cap of 32 leave at most 32 open
+    (the longest stalled closed first, counted as evicted), and a real client
+    still gets its answer over TLS."""
+    access = WebAccess(str(pki.web_config(users=False)))
+    limits = ServerLimits(head_timeout_s=30.0, max_tls_connections=32)
+    srv = BackgroundHTTPServer("127.0.0.1", 0, Ready(), "tls-cap", limits, access)
+    srv.start()
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    stalled = []
+    try:
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"\x16\x03\x01\x02\x00\x01")   # the start of a ClientHello, never the rest
+            stalled.append(s)
+        deadline = time.monotonic() + 10
+        while srv.stats.accepted < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.stats.accepted == 300
+        assert srv.stats.open <= 32 and srv.stats.evicted >= 300 - 32, srv.stats
+        with socket.create_connection(("localhost", srv.port), timeout=5) as raw, \
+                ctx.wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert tls.recv(100).startswith(b"HTTP/1.1 200")
+        # The first ones were closed (reset: their hello sits unread): the oldest stalled go first.
+        stalled[0].settimeout(2)
+        try:
+            assert stalled[0].recv(1) == b""
+        except ConnectionResetError:
+            pass
     finally:
         for s in stalled:
             s.close()
