@@ -129,6 +129,8 @@ def run_mode(mode: str, seconds: float) -> dict:
     row["reference"] = {"count": len(ref.runq_waits_ns), "wait_seconds": ref.total_wait_s,
                         "p50": percentile(ref.runq_waits_ns, 0.5) / 1e9 if ref.runq_waits_ns else None,
                         "p99": percentile(ref.runq_waits_ns, 0.99) / 1e9 if ref.runq_waits_ns else None,
+                        "p985": percentile(ref.runq_waits_ns, 0.985) / 1e9 if ref.runq_waits_ns else None,
+                        "p995": percentile(ref.runq_waits_ns, 0.995) / 1e9 if ref.runq_waits_ns else None,
                         "preemptions": len(ref.preemptions), "gaps": ref.gaps}
     metrics = body.decode(errors="replace") if status == 200 else ""
     row["map_errors"] = _metric_values(metrics, "slatrace_bpf_map_errors_total")

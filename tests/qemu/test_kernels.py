@@ -159,14 +159,18 @@ def judge_mode(name: str, row: dict) -> None:
     # for, which the agent counts and reports itself (its skipped programs:
     # on classic tracepoints, while a BPF map operation or another program is
     # in progress on that CPU; tracefs still records the event). The agent's
-    # record covers the intervals after the go.
+    # count is what its record of the victim grew by from the go (scene.py).
     skipped = sum(row["program_misses"].values())
     assert abs(runq["count"] - ref["count"]) <= ref["gaps"] + SLACK + skipped, \
         f"{where}: {runq} vs {ref}, {skipped:.0f} program runs skipped"
     assert runq["wait_seconds"] == pytest.approx(ref["wait_seconds"], rel=0.05), where
     # The agent's quantile is interpolated within a histogram slot: 1/16 of
-    # a power of two, at most 6.25% wide.
-    assert runq["p99"] == pytest.approx(ref["p99"], rel=0.0625), where
+    # a power of two, at most 6.25% wide. A victim's ~1,000 waits leave ten
+    # above the P99, often far apart, so the rank is judged to half a percent
+    # (the two count ranks differently, and the quantile's window starts at an
+    # interval's edge): within a slot of the reference's P98.5 to P99.5.
+    assert ref["p985"] * (1 - 0.0625) <= runq["p99"] <= ref["p995"] * (1 + 0.0625), \
+        f"{where}: P99 {runq['p99']} vs the reference's P98.5-P99.5 {ref['p985']}-{ref['p995']}"
     culprits = row["agent"]["blame"]["culprits"]
     hog = next((c for c in culprits if c["service"] == "hog"), None)
     # On the host other work may share the CPU (helpers, CI's own processes).
