@@ -122,8 +122,8 @@ class EngineScraper:
                 total = hists.get(phase)
                 if total is None:
                     continue
-                quantiles = tuple((q, f[f"p{round(q * 100)}"]) for q in QUANTILES
-                                  if f["count"] and f.get(f"p{round(q * 100)}") is not None)
+                values = ((q, f.get(f"p{round(q * 100)}")) for q in QUANTILES) if f["count"] else ()
+                quantiles = tuple((q, v) for q, v in values if v is not None)
                 out.append(EngineSummary(fig["service"], phase, f["metric"], quantiles, total.count, total.sum))
         return out
 
