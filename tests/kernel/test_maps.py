@@ -188,5 +188,8 @@ def test_the_self_check_flags_caches_that_never_reach_the_agent(probe):
     verdict = tally.verdict()
     print(f"\n{verdict}")
     assert not verdict.ok and verdict.seen > 500
-    assert verdict.arrived < verdict.seen / 2
-    assert tally.missing_total["runq"] > tally.seen_total["runq"] / 2
+    # What still arrives is what the caches spilled into the maps when another
+    # key took their slot: little on a quiet CPU, more when other work shares
+    # it, so the loss is a share of the waits, never all of them.
+    assert verdict.seen - verdict.arrived > max(verdict.seen / 10, 100)
+    assert tally.missing_total["runq"] > tally.seen_total["runq"] / 10
