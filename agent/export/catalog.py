@@ -42,6 +42,14 @@ class MetricSpec:
     source: str = "store"   # where the figure comes from (for the docs)
     # The `# UNIT` line of the OpenMetrics exposition ("" writes none).
     openmetrics_unit: str = ""
+    # A per-service counter read from the kernel's per-cgroup counters: the
+    # cgroup_val fields (bpf/sched.h) it exports, each with its labels' values
+    # after `service`. agent/export/figures.py writes every such family the
+    # same way: a series per service and field that is not zero.
+    cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # False for a family that stays empty while things are well (a full map's
+    # losses): the series budget of a service (docs/metrics.md) leaves it out.
+    in_budget: bool = True
 
     @property
     def exposed_names(self) -> tuple[str, ...]:
@@ -67,10 +75,12 @@ class Catalog:
         self._owner: dict[str, str] = {}   # family or sample name -> the family that writes it
 
     def declare(self, name: str, type_: MetricType, help_: str, labels: tuple[str, ...] = (), *,
-                unit: str, source: str, openmetrics_unit: str = "") -> MetricSpec:
+                unit: str, source: str, openmetrics_unit: str = "",
+                cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = (), in_budget: bool = True) -> MetricSpec:
         if type_ not in TYPES:
             raise ValueError(f"{name}: unknown metric type {type_!r}")
-        spec = MetricSpec(name, type_, help_, tuple(labels), unit, source, openmetrics_unit)
+        spec = MetricSpec(name, type_, help_, tuple(labels), unit, source, openmetrics_unit, cgroup_fields,
+                          in_budget)
         written = (name, *spec.exposed_names)
         for n in written:
             if n in self._owner:
@@ -132,7 +142,7 @@ IOWAIT = declare(
     _SVC, unit="s", source="store")
 MIGRATIONS = declare(
     "slatrace_migrations", "counter", "Task migrations between CPUs.",
-    _SVC, unit="1", source="store")
+    _SVC, unit="1", source="store", cgroup_fields=(("migrations", ()),))
 THROTTLED = declare(
     "slatrace_cpu_throttled_seconds", "counter",
     "CPU-quota throttling of the service's cgroups (cpu.stat throttled_usec).",
@@ -168,12 +178,14 @@ UNTRACED = declare(
     "slatrace_untraced_events", "counter",
     "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
     "from the event stream); counted, never invented.",
-    ("service", "kind"), unit="1", source="store")
+    ("service", "kind"), unit="1", source="store",
+    cgroup_fields=tuple((f"untraced_{kind}", (kind,)) for kind in ("switch_in", "switch_out", "wakeup")))
 LOST_WAITS = declare(
     "slatrace_lost_waits", "counter",
     "Waits a full kernel map could not record (docs/maps.md), by kind: runq and iowait waits "
     "missing from the histograms, blame for runq waits missing from the culprits; counted, never invented.",
-    ("service", "kind"), unit="1", source="store")
+    ("service", "kind"), unit="1", source="store",
+    cgroup_fields=tuple((f"lost_{kind}", (kind,)) for kind in ("runq", "iowait", "blame")), in_budget=False)
 BPF_EVENTS = declare(
     "slatrace_bpf_events", "counter",
     "Runs of each BPF program, counted while kernel BPF stats are on (by default 1 s a minute, "
