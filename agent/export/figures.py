@@ -27,6 +27,7 @@ from agent import __version__
 from agent.attribution.slo import judge_slos
 from agent.config import Slo
 from agent.export.catalog import (
+    AGENT_STATS,
     BPF_EVENTS,
     BPF_MISSES,
     BPF_RUN,
@@ -34,8 +35,6 @@ from agent.export.catalog import (
     INTERVALS,
     IOWAIT,
     MAP_ERRORS,
-    POLL_DURATION,
-    POLL_ERRORS,
     PREEMPTED_WAIT,
     PREEMPTIONS,
     QUANTILE_WINDOW_S,
@@ -50,8 +49,6 @@ from agent.export.catalog import (
     SLO_TARGET,
     SLO_VALUE,
     THROTTLED,
-    WAITS_MISSING,
-    WAITS_SEEN,
     WAKEUP_WAIT,
     MetricSpec,
 )
@@ -166,6 +163,17 @@ class Sources:
     # (service, request SLO) -> (target, value judged over the last minute or None, ok)
     request_slos: Callable[[], Mapping[tuple[str, str], tuple[float, float | None, bool]]] | None = None
     agent_stats: Callable[[], AgentStats] | None = None
+
+
+def read_points(spec: MetricSpec, figures: object) -> tuple[Point, ...]:
+    """The points of a family its catalog entry reads (MetricSpec.read) from
+    its source's figures: a number is one point without labels, a mapping one
+    point per key (a label value, or a tuple of them), sorted."""
+    assert spec.read is not None, spec.name
+    value = spec.read(figures)
+    if not isinstance(value, Mapping):
+        return (Point((), value),)
+    return tuple(Point(key if isinstance(key, tuple) else (key,), n) for key, n in sorted(value.items()))
 
 
 def summed(*hooks: Callable[[], Mapping[tuple[str, str], int]]) -> Callable[[], dict[tuple[str, str], int]]:
@@ -354,12 +362,9 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
 
     if sources.agent_stats is not None:
         stats = sources.agent_stats()
-        points[POLL_DURATION.name].append(Point((), stats.poll_duration_seconds))
-        points[POLL_ERRORS.name].append(Point((), float(stats.poll_errors)))
-        for kind, n in sorted(stats.waits_seen.items()):
-            points[WAITS_SEEN.name].append(Point((kind,), float(n)))
-        for kind, n in sorted(stats.waits_missing.items()):
-            points[WAITS_MISSING.name].append(Point((kind,), float(n)))
+        for spec in SCHEDULER:
+            if spec.source == AGENT_STATS:
+                points[spec.name] += read_points(spec, stats)
     points[SERVICES_TRACKED.name].append(Point((), float(len(services))))
     points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
     points[BUILD_INFO.name].append(Point((__version__,), 1.0))
