@@ -26,7 +26,8 @@ __all__ = [
     "ConfigError",
     "DEFAULT_CONFIG_YAML",
     "EngineTarget",
-    "REQUEST_SERVERS",
+    "PRESETS",
+    "REQUEST_SPAN_NAME",
     "RequestSpanRule",
     "RELAY_MATCHERS",
     "RelayRule",
@@ -61,10 +62,6 @@ class Slo:
     request_ttft_p99: float | None = None
 
 
-# Inference servers whose request spans (and command lines) the agent knows.
-REQUEST_SERVERS = ("vllm", "sglang", "triton", "tgi")
-
-
 @dataclass(frozen=True)
 class RequestSpanRule:
     """Which spans are requests: a glob on the span name, the attributes holding
@@ -79,6 +76,24 @@ class RequestSpanRule:
     # Attributes the span must carry with these values (presets: a server that
     # gives its request span's name to inner spans too).
     where: tuple[tuple[str, str], ...] = ()
+
+
+# vLLM's request span (agent/traces/spans.py parses it in full).
+REQUEST_SPAN_NAME = "llm_request"
+# The module of TGI's HTTP handlers, as tracing-opentelemetry names it on their spans.
+_TGI_HANDLERS = (("code.namespace", "text_generation_router::server"),)
+
+# The inference servers whose request spans the agent knows, each a preset of
+# `request_spans.servers`: its rules here; the span shapes they follow and the
+# servers' command lines are agent/traces/servers.py's.
+PRESETS: dict[str, tuple[RequestSpanRule, ...]] = {
+    "vllm": (RequestSpanRule(REQUEST_SPAN_NAME, ("gen_ai.request.id",), server="vllm"),),
+    "sglang": (RequestSpanRule("*Req *", ("rid", "gen_ai.request.id"), e2e="gen_ai.latency.e2e",
+                               ttft="gen_ai.latency.time_to_first_token", server="sglang"),),
+    "triton": (RequestSpanRule("InferRequest", server="triton"),),
+    "tgi": tuple(RequestSpanRule(name, e2e="total_time", queue="queue_time", server="tgi", where=_TGI_HANDLERS)
+                 for name in ("generate", "generate_stream", "completions", "chat_completions")),
+}
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,7 @@ class Config:
 
 
 # What `slatrace run` uses without --config; tests check it parses to Config().
-DEFAULT_CONFIG_YAML = """\
+DEFAULT_CONFIG_YAML = f"""\
 # slatrace configuration. Every key is optional; these are the defaults.
 interval: 1            # seconds between aggregations (0 < interval <= 60)
 retention: 900         # seconds of history the API can answer from (>= interval)
@@ -177,7 +192,7 @@ slos: []
 # Request spans received over OTLP. Servers found by their command line (and the
 # services listed under watch) are streamed from the agent's start.
 request_spans:
-  servers: [vllm]              # presets: vllm, sglang, triton, tgi
+  servers: [vllm]              # presets: {", ".join(PRESETS)}
   rules: []
 #  - span_name: "handle_request"   # glob on the span name
 #    request_id: [app.request_id]  # attributes holding the id (else the span id)
@@ -426,9 +441,9 @@ def _request_spans(value: Any, source: str) -> RequestSpans:
     m = _mapping(value, source, "request_spans", "the request span settings", _REQUEST_SPANS_KEYS)
     servers = _names(m, "servers", source, list(RequestSpans().servers))
     for name in servers:
-        if name not in REQUEST_SERVERS:
+        if name not in PRESETS:
             raise ConfigError(f"{source}: request_spans.servers: unknown server {name!r} "
-                              f"(known: {', '.join(REQUEST_SERVERS)}; describe others under request_spans.rules)")
+                              f"(known: {', '.join(PRESETS)}; describe others under request_spans.rules)")
     rules = []
     for i, item in enumerate(_sequence(m, "rules", f"{source}: request_spans")):
         where = f"request_spans.rules[{i}]"

@@ -97,10 +97,10 @@ static __always_inline void cgroup_add_n(u64 cgid, u32 gen, u32 field, u64 n, u6
         return;
     }
     u64 *f = (u64 *)val;
-    if (field >= CG_LOST_RUNQ && field + 1 < CG_FIELDS) {
+    if (field >= CG_INDEX(lost_runq) && field + 1 < CG_COUNT) {
         __sync_fetch_and_add(&f[field], n);
         __sync_fetch_and_add(&f[field + 1], v);
-    } else if (field < CG_FIELDS) {
+    } else if (field < CG_COUNT) {
         __sync_fetch_and_add(&f[field], n);
     }
 }
@@ -116,7 +116,8 @@ static __always_inline void hist_flush(struct hist_key *key, u64 count, u64 sum)
     struct hist_val *val = hists.lookup_or_try_init(key, &zero);
     if (!val) {
         count_error(ERR_HIST);
-        cgroup_add_n(key->cgid, key->gen, key->kind == HIST_RUNQ ? CG_LOST_RUNQ : CG_LOST_IOWAIT, count, sum);
+        cgroup_add_n(key->cgid, key->gen, key->kind == HIST_RUNQ ? CG_INDEX(lost_runq) : CG_INDEX(lost_iowait),
+                     count, sum);
         return;
     }
     __sync_fetch_and_add(&val->count, count);
@@ -181,7 +182,7 @@ static __always_inline void blame_flush(struct blame_key *key, u64 count, u64 wa
     struct blame_val *val = blame.lookup_or_try_init(key, &zero);
     if (!val) {
         count_error(ERR_PAIR);
-        cgroup_add_n(key->victim_cgid, key->gen, CG_LOST_BLAME, count, wait);
+        cgroup_add_n(key->victim_cgid, key->gen, CG_INDEX(lost_blame), count, wait);
         return;
     }
     __sync_fetch_and_add(&val->count, count);
@@ -317,9 +318,9 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                 blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait);
                 emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, n->ts, now, culprit, next);
             } else if (st == TS_RUNNING) {
-                cgroup_add(next_cgid, c.gen, CG_UNTRACED_SWITCH_OUT, 0);
+                cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_switch_out), 0);
             } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
-                cgroup_add(next_cgid, c.gen, CG_UNTRACED_WAKEUP, 0);
+                cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_wakeup), 0);
             }
             n->state = TS_RUNNING;
             n->ts = now;
@@ -332,7 +333,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
-            cgroup_add(cgid, c.gen, CG_UNTRACED_SWITCH_IN, 0);
+            cgroup_add(cgid, c.gen, CG_INDEX(untraced_switch_in), 0);
         p->ts = now;
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
@@ -372,7 +373,7 @@ static __always_inline int on_migrate(task_key_t task)
     struct task_info *t = tasks.lookup(&task);
     if (t) {
         struct ctl c = read_ctl();
-        cgroup_add(t->cgid, c.gen, CG_MIGRATIONS, 0);
+        cgroup_add(t->cgid, c.gen, CG_INDEX(migrations), 0);
         u64 now = bpf_ktime_get_ns();
         emit(c, t->cgid, EV_MIGRATE, now, now, 0, task);
     }

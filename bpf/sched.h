@@ -163,7 +163,9 @@ struct cgroup_val {
     __u64 untraced_switch_out;  /* switch-in of a task already marked running */
     __u64 untraced_wakeup;      /* switch-in of a task still marked asleep */
     /* What the full hists or blame map could not take, so a reader knows the
-     * share of waits its figures cover instead of reading low quantiles. */
+     * share of waits its figures cover instead of reading low quantiles.
+     * Pairs of a count and its ns, last: cgroup_add_n() adds to both halves
+     * of every field from lost_runq on, so a plain counter goes above. */
     __u64 lost_runq;            /* run-queue waits missing from hists */
     __u64 lost_runq_ns;
     __u64 lost_iowait;          /* D-state sleeps missing from hists */
@@ -172,15 +174,10 @@ struct cgroup_val {
     __u64 lost_blame_ns;
 };
 
-/* cgroup_val fields, in units of __u64 */
-#define CG_MIGRATIONS 0
-#define CG_UNTRACED_SWITCH_IN 1
-#define CG_UNTRACED_SWITCH_OUT 2
-#define CG_UNTRACED_WAKEUP 3
-#define CG_LOST_RUNQ 4
-#define CG_LOST_IOWAIT 6
-#define CG_LOST_BLAME 8
-#define CG_FIELDS 10
+/* A cgroup_val field as the index programs add to: the struct is the one list
+ * of counters, agent/probe/layout.py's CGROUP_FIELDS its mirror. */
+#define CG_INDEX(field) (__builtin_offsetof(struct cgroup_val, field) / sizeof(__u64))
+#define CG_COUNT (sizeof(struct cgroup_val) / sizeof(__u64))
 
 /* One wait of a task in a watched cgroup (a service that sends request
  * spans), streamed through a ring buffer so a request's window can be cut

@@ -32,6 +32,7 @@ from agent.config import Slo  # noqa: E402
 from agent.export import catalog  # noqa: E402
 from agent.export.catalog import QUANTILE_WINDOW_S, MetricSpec  # noqa: E402
 from agent.export.figures import (  # noqa: E402
+    CGROUP_COUNTER_FAMILIES,
     SERIES_PER_SERVICE,
     TOP_CULPRITS,
     AgentStats,
@@ -43,6 +44,7 @@ from agent.export.prometheus import SlatraceCollector  # noqa: E402
 from agent.export.servers import ServerCollector  # noqa: E402
 from agent.export.traces import EngineCollector, TraceCollector  # noqa: E402
 from agent.export.workers import WorkerCollector  # noqa: E402
+from agent.probe.layout import CGROUP_FIELDS  # noqa: E402
 from agent.probe.snapshot import CgroupCounters, PairCounters, ProbeSnapshot, ProgramStats  # noqa: E402
 from agent.store.histogram import Histogram, classic_bounds  # noqa: E402
 from agent.store.store import Store  # noqa: E402
@@ -66,8 +68,8 @@ def synthetic_store() -> tuple[Store, Sources]:
         hists={(1, 0): dict(runq.items()), (2, 0): dict(runq.items()), (1, 1): dict(io.items())},
         pairs={(1, 2): PairCounters(2, 3_000_000), (2, 1): PairCounters(1, 20_000)},
         holders={(1, 2): PairCounters(3, 1_500_000), (1, 0): PairCounters(4, 40_000)},
-        cgroups={1: CgroupCounters(migrations=3),
-                 2: CgroupCounters(migrations=1, untraced_switch_in=1, lost_runq=2, lost_runq_ns=90_000)},
+        # Every per-cgroup counter of the kernel counts for batch, so every family read from them has a point.
+        cgroups={1: CgroupCounters(migrations=3), 2: CgroupCounters(**{f: 1 for f in CGROUP_FIELDS})},
         errors={"hists": 0},
         programs={"sched_switch": ProgramStats(1000, 800_000), "sched_wakeup": ProgramStats(400, 150_000)},
     ), names.__getitem__)
@@ -218,11 +220,26 @@ def _fmt_seconds(s: float) -> str:
     return f"{s * 1e9:.4g} ns"
 
 
+def _counter_budget() -> list[tuple[str, int]]:
+    """The series budget's rows of the families read from the per-cgroup
+    counters: (table row, series at most)."""
+    rows = []
+    for spec in CGROUP_COUNTER_FAMILIES:
+        n = len(spec.cgroup_fields)
+        if spec.in_budget and n == 1:
+            rows.append((f"| `{spec.exposed_names[0]}` | 1 |", 1))
+        elif spec.in_budget:
+            rows.append((f"| `{spec.exposed_names[0]}`, one per `{spec.labels[-1]}` | ≤ {n} |", n))
+    return rows
+
+
 def render() -> str:
     declared = [spec.name for section in SECTIONS for spec in section]
     assert sorted(declared) == sorted(spec.name for spec in catalog.FAMILIES), \
         "every family of the catalog belongs to exactly one section of the document"
     scheduler, traces, engines, servers, otlp_export, workers = SECTIONS
+    lost = " and ".join(f"{len(spec.cgroup_fields)} `{spec.exposed_names[0]}`"
+                        for spec in CGROUP_COUNTER_FAMILIES if not spec.in_budget)
     out = [
         "# slatrace metrics",
         "",
@@ -299,8 +316,7 @@ def render() -> str:
         "| `slatrace_runq_wait_seconds_total` | 1 |",
         "| `slatrace_runq_latency_quantile_seconds`: 3 quantiles, `_sum`, `_count` | 5 |",
         "| `slatrace_iowait_seconds`: `+Inf` bucket, `_sum`, `_count` | 3 |",
-        "| `slatrace_migrations_total` | 1 |",
-        "| `slatrace_untraced_events_total`, one per `kind` | ≤ 3 |",
+        *(row for row, _ in _counter_budget()),
         "| `slatrace_cpu_throttled_seconds_total` | 1 |",
         "| `slatrace_request_sched_delay_seconds`: `+Inf` bucket, `_sum`, `_count` | 3 |",
         f"| culprits: `slatrace_preemptions_total`, `slatrace_preempted_wait_seconds_total`, "
@@ -308,7 +324,7 @@ def render() -> str:
         "| `slatrace_wakeup_wait_seconds_total{by_service=\"idle\"}` | 1 |",
         "",
         "SLO gauges and breach counters come on top for the services that have an SLO (four per",
-        "SLO), and up to three `slatrace_lost_waits_total` series for a service whose waits a full",
+        f"SLO), and up to {lost} series for a service whose waits a full",
         "kernel map could not record (none while the maps have room, the normal case; see",
         "[maps.md](maps.md)). The rules:",
         "",

@@ -62,9 +62,9 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
         "migrations": figures.migrations,
         "throttled_seconds": throttled_seconds,
         "untraced": {
-            "switch_in": figures.untraced_switch_in,
-            "switch_out": figures.untraced_switch_out,
-            "wakeup": figures.untraced_wakeup,
+            "switch_in": figures.counters["untraced_switch_in"],
+            "switch_out": figures.counters["untraced_switch_out"],
+            "wakeup": figures.counters["untraced_wakeup"],
         },
         "slo": slo,
         "blame": blame(service, figures, throttled_seconds),

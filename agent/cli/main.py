@@ -1,4 +1,10 @@
-"""The `slatrace` command: the daemon (`run`), `check`, and thin API clients."""
+"""The `slatrace` command: the daemon (`run`), `check`, and thin API clients.
+
+A command is its parser in build_parser(), its `cmd_*` (which fetches with
+`client.get`) with the printing of its answer beside it, and its entry in
+COMMANDS; the request commands are agent/cli/requests.py's, the attribution
+views attribution_view.py's and top.py's. rich is imported only to print:
+`slatrace run` never loads it."""
 
 from __future__ import annotations
 
@@ -137,7 +143,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, "checks": [c.as_dict() for c in checks]}, indent=2))
     else:
-        from agent.cli.render import print_checks  # noqa: PLC0415
         print_checks(checks)
         if not ok:
             failed = next(c for c in checks if not c.ok)
@@ -147,7 +152,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_services(args: argparse.Namespace) -> int:
     from agent.cli.client import get  # noqa: PLC0415
-    from agent.cli.render import print_services  # noqa: PLC0415
 
     doc = get(args.agent, "/api/v1/services")
     if args.json:
@@ -155,6 +159,36 @@ def cmd_services(args: argparse.Namespace) -> int:
     else:
         print_services(doc)
     return 0
+
+
+def print_checks(checks) -> None:
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title="slatrace prerequisites")
+    table.add_column("check")
+    table.add_column("ok")
+    table.add_column("detail", overflow="fold")
+    for c in checks:
+        table.add_row(c.name, "[green]yes[/]" if c.ok else "[red]NO[/]", c.detail)
+    _print(table)
+
+
+def print_services(doc: dict) -> None:
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table()
+    for col in ("service", "source", "tasks", "cgroups"):
+        table.add_column(col, justify="right" if col == "tasks" else "left")
+    for s in doc.get("services", []):
+        table.add_row(s["name"], s["source"], str(s.get("tasks", "")), ", ".join(s.get("cgroups", [])))
+    _print(table)
+
+
+def _print(renderable) -> None:
+    """A table on stdout; without a TTY, rich prints plain text."""
+    from rich.console import Console  # noqa: PLC0415
+
+    Console(highlight=False, soft_wrap=False).print(renderable)
 
 
 def cmd_attribution(args: argparse.Namespace) -> int:

@@ -16,9 +16,9 @@ access, nothing but declarations at import.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["Catalog", "DuplicateFamily", "FAMILIES", "MetricSpec", "QUANTILE_WINDOW_S"]
 
@@ -42,6 +42,20 @@ class MetricSpec:
     source: str = "store"   # where the figure comes from (for the docs)
     # The `# UNIT` line of the OpenMetrics exposition ("" writes none).
     openmetrics_unit: str = ""
+    # A per-service counter read from the kernel's per-cgroup counters: the
+    # cgroup_val fields (bpf/sched.h) it exports, each with its labels' values
+    # after `service`. agent/export/figures.py writes every such family the
+    # same way: a series per service and field that is not zero.
+    cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # False for a family that stays empty while things are well (a full map's
+    # losses): the series budget of a service (docs/metrics.md) leaves it out.
+    in_budget: bool = True
+    # What feeds a family its collector writes without code of its own: from
+    # the figures of its source (TraceTotals for the trace receivers,
+    # AgentStats for the collection loop), a number, or a mapping of label
+    # values (one, or a tuple of them) -> number; figures.read_points() turns
+    # it into points.
+    read: Callable[[Any], Any] | None = None
 
     @property
     def exposed_names(self) -> tuple[str, ...]:
@@ -67,10 +81,13 @@ class Catalog:
         self._owner: dict[str, str] = {}   # family or sample name -> the family that writes it
 
     def declare(self, name: str, type_: MetricType, help_: str, labels: tuple[str, ...] = (), *,
-                unit: str, source: str, openmetrics_unit: str = "") -> MetricSpec:
+                unit: str, source: str, openmetrics_unit: str = "",
+                cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = (), in_budget: bool = True,
+                read: Callable[[Any], Any] | None = None) -> MetricSpec:
         if type_ not in TYPES:
             raise ValueError(f"{name}: unknown metric type {type_!r}")
-        spec = MetricSpec(name, type_, help_, tuple(labels), unit, source, openmetrics_unit)
+        spec = MetricSpec(name, type_, help_, tuple(labels), unit, source, openmetrics_unit, cgroup_fields,
+                          in_budget, read)
         written = (name, *spec.exposed_names)
         for n in written:
             if n in self._owner:
@@ -102,7 +119,8 @@ declare = FAMILIES.declare
 _SVC = ("service",)
 _PAIR = ("service", "by_service")
 _SLO = ("service", "slo")
-_AGENT = "hook: Sources.agent_stats"
+# The collection loop's own figures (figures.AgentStats), each family read from them.
+AGENT_STATS = "hook: Sources.agent_stats"
 
 # -- The scheduler's figures: SlatraceCollector, from the store and Sources' hooks.
 RUNQ_LATENCY = declare(
@@ -132,7 +150,7 @@ IOWAIT = declare(
     _SVC, unit="s", source="store")
 MIGRATIONS = declare(
     "slatrace_migrations", "counter", "Task migrations between CPUs.",
-    _SVC, unit="1", source="store")
+    _SVC, unit="1", source="store", cgroup_fields=(("migrations", ()),))
 THROTTLED = declare(
     "slatrace_cpu_throttled_seconds", "counter",
     "CPU-quota throttling of the service's cgroups (cpu.stat throttled_usec).",
@@ -168,12 +186,14 @@ UNTRACED = declare(
     "slatrace_untraced_events", "counter",
     "Scheduler transitions the kernel did not trace (a switch-in, switch-out or wakeup missing "
     "from the event stream); counted, never invented.",
-    ("service", "kind"), unit="1", source="store")
+    ("service", "kind"), unit="1", source="store",
+    cgroup_fields=tuple((f"untraced_{kind}", (kind,)) for kind in ("switch_in", "switch_out", "wakeup")))
 LOST_WAITS = declare(
     "slatrace_lost_waits", "counter",
     "Waits a full kernel map could not record (docs/maps.md), by kind: runq and iowait waits "
     "missing from the histograms, blame for runq waits missing from the culprits; counted, never invented.",
-    ("service", "kind"), unit="1", source="store")
+    ("service", "kind"), unit="1", source="store",
+    cgroup_fields=tuple((f"lost_{kind}", (kind,)) for kind in ("runq", "iowait", "blame")), in_budget=False)
 BPF_EVENTS = declare(
     "slatrace_bpf_events", "counter",
     "Runs of each BPF program, counted while kernel BPF stats are on (by default 1 s a minute, "
@@ -196,20 +216,20 @@ MAP_ERRORS = declare(
 POLL_DURATION = declare(
     "slatrace_poll_duration_seconds", "gauge",
     "Time the last collection took to read the BPF maps and store the interval.",
-    unit="s", source=_AGENT)
+    unit="s", source=AGENT_STATS, read=lambda st: st.poll_duration_seconds)
 POLL_ERRORS = declare(
     "slatrace_poll_errors", "counter", "Collections that failed (retried next interval).",
-    unit="1", source=_AGENT)
+    unit="1", source=AGENT_STATS, read=lambda st: float(st.poll_errors))
 WAITS_SEEN = declare(
     "slatrace_waits_seen", "counter",
     "Waits the BPF programs saw, by kind (runq, iowait), counted before the caches and maps "
     "they pass through: the self-check's reference.",
-    ("kind",), unit="1", source=_AGENT)
+    ("kind",), unit="1", source=AGENT_STATS, read=lambda st: {k: float(n) for k, n in st.waits_seen.items()})
 WAITS_MISSING = declare(
     "slatrace_waits_missing", "counter",
     "Waits the BPF programs saw that never reached the agent's figures (the self-check); "
     "anything but 0 means the figures on this kernel are incomplete.",
-    ("kind",), unit="1", source=_AGENT)
+    ("kind",), unit="1", source=AGENT_STATS, read=lambda st: {k: float(n) for k, n in st.waits_missing.items()})
 SERVICES_TRACKED = declare(
     "slatrace_services_tracked", "gauge",
     "Distinct service label values exported (bounded by max_services, overflow is \"other\").",
@@ -228,58 +248,58 @@ SCHEDULER: tuple[MetricSpec, ...] = (
     BUILD_INFO,
 )
 
-# -- The trace side: TraceCollector, from agent.traces.metrics.TraceCounters.
+# -- The trace side: TraceCollector, each family read from agent.traces.metrics.TraceTotals.
 _TRACES = "trace receivers (TraceCounters)"
 SPANS_RECEIVED = declare(
     "slatrace_otlp_spans_received", "counter", "Spans accepted by the OTLP trace receivers.",
-    ("transport",), unit="1", source=_TRACES)
+    ("transport",), unit="1", source=_TRACES, read=lambda t: t.received)
 REJECTED_REQUESTS = declare(
     "slatrace_otlp_rejected_requests", "counter",
     "OTLP export requests refused, by reason (malformed, too_large, unsupported, overloaded, unauthorized; "
     "gRPC also not_received: refused by grpcio above its 64 MiB limit or cancelled before the message, and "
     "queue_full: past the calls running or queued).",
-    ("transport", "reason"), unit="1", source=_TRACES)
+    ("transport", "reason"), unit="1", source=_TRACES, read=lambda t: t.rejected)
 SPANS_UNRESOLVED = declare(
     "slatrace_otlp_spans_unresolved", "counter",
     "Request spans whose sender could not be found, by reason (remote_peer, socket_not_found, no_process, "
     "no_cgroup, no_peer; from a trusted relay: relay_no_origin, relay_origin_not_found, relay_other_host, "
     "relay_pid_without_host).",
-    ("reason",), unit="1", source=_TRACES)
+    ("reason",), unit="1", source=_TRACES, read=lambda t: t.unresolved)
 CLAIMS_IGNORED = declare(
     "slatrace_otlp_claims_ignored", "counter",
     "Span resources whose attribute contradicted the connection they came on (or, from a trusted relay, the "
     "pod it names), by attribute.",
-    ("attribute",), unit="1", source=_TRACES)
+    ("attribute",), unit="1", source=_TRACES, read=lambda t: t.claims_ignored)
 REQUESTS_ATTRIBUTED = declare(
     "slatrace_requests_attributed", "counter", "Request spans given scheduling figures.",
-    _SVC, unit="1", source=_TRACES)
+    _SVC, unit="1", source=_TRACES, read=lambda t: t.requests)
 REQUESTS_PENDING = declare(
     "slatrace_requests_pending", "gauge",
     "Request spans waiting for the kernel side to cover their end.",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.pending)
 PENDING_OVERFLOW = declare(
     "slatrace_requests_pending_overflow", "counter",
     "Request spans attributed before their end was covered because too many were pending.",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.pending_dropped)
 SPANS_FORWARDED = declare(
     "slatrace_otlp_forwarded_spans", "counter", "Spans forwarded to --otlp-endpoint.",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.forwarded)
 TRUNCATED_ATTRIBUTES = declare(
     "slatrace_otlp_truncated_attributes", "counter", "Attribute values cut to the receivers' length limit.",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.truncated_attributes)
 REQUESTS_EVICTED = declare(
     "slatrace_requests_evicted", "counter",
     "Finished requests dropped from the API's store before the retention, to keep it within its count and "
     "byte budget.",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.store_evicted)
 ATTRIBUTION_ERRORS = declare(
     "slatrace_requests_attribution_errors", "counter",
     "Requests whose scheduling figures could not be computed (or worker ticks that failed; each logged with "
     "its exception).",
-    unit="1", source=_TRACES)
+    unit="1", source=_TRACES, read=lambda t: t.attribution_errors)
 FORWARD_DROPPED = declare(
     "slatrace_otlp_forward_dropped_spans", "counter", "Spans not forwarded, by reason (queue_full, export_failed).",
-    ("reason",), unit="1", source=_TRACES)
+    ("reason",), unit="1", source=_TRACES, read=lambda t: t.forward_dropped)
 
 TRACES: tuple[MetricSpec, ...] = (
     SPANS_RECEIVED, REJECTED_REQUESTS, SPANS_UNRESOLVED, CLAIMS_IGNORED, REQUESTS_ATTRIBUTED, REQUESTS_PENDING,
@@ -329,19 +349,22 @@ WEB_CONFIG_OK = declare(
 
 SERVERS: tuple[MetricSpec, ...] = (HTTP_CONNECTIONS, HTTP_CONNECTIONS_OPEN, WEB_CONFIG_RELOADS, WEB_CONFIG_OK)
 
-# -- The OTLP metrics exporter's own health (--otlp-endpoint): agent.export.otlp.
+# -- The OTLP metrics exporter's own health (--otlp-endpoint): agent.export.otlp, each family read from the exporter.
 _OTLP = "OTLP metrics exporter (--otlp-endpoint)"
 OTLP_EXPORTS = declare(
     "slatrace_otlp_exports", "counter", "OTLP metrics exports the collector accepted.",
-    ("endpoint",), unit="1", source=_OTLP)
+    ("endpoint",), unit="1", source=_OTLP,
+    read=lambda e: {e.settings.endpoint: e.stats.exports})
 OTLP_EXPORT_FAILURES = declare(
     "slatrace_otlp_export_failures", "counter",
     "OTLP metrics exports dropped after the exporter gave up (collector down, timeout, rejected).",
-    ("endpoint",), unit="1", source=_OTLP)
+    ("endpoint",), unit="1", source=_OTLP,
+    read=lambda e: {e.settings.endpoint: e.stats.failures})
 OTLP_EXPORT_DROPPED = declare(
     "slatrace_otlp_export_dropped_points", "counter",
     "Data points in the dropped exports; the next export carries their cumulative values.",
-    ("endpoint",), unit="1", source=_OTLP)
+    ("endpoint",), unit="1", source=_OTLP,
+    read=lambda e: {e.settings.endpoint: e.stats.dropped_points})
 
 OTLP_EXPORT: tuple[MetricSpec, ...] = (OTLP_EXPORTS, OTLP_EXPORT_FAILURES, OTLP_EXPORT_DROPPED)
 

@@ -27,17 +27,14 @@ from agent import __version__
 from agent.attribution.slo import judge_slos
 from agent.config import Slo
 from agent.export.catalog import (
+    AGENT_STATS,
     BPF_EVENTS,
     BPF_MISSES,
     BPF_RUN,
     BUILD_INFO,
     INTERVALS,
     IOWAIT,
-    LOST_WAITS,
     MAP_ERRORS,
-    MIGRATIONS,
-    POLL_DURATION,
-    POLL_ERRORS,
     PREEMPTED_WAIT,
     PREEMPTIONS,
     QUANTILE_WINDOW_S,
@@ -52,9 +49,6 @@ from agent.export.catalog import (
     SLO_TARGET,
     SLO_VALUE,
     THROTTLED,
-    UNTRACED,
-    WAITS_MISSING,
-    WAITS_SEEN,
     WAKEUP_WAIT,
     MetricSpec,
 )
@@ -65,15 +59,19 @@ from agent.store.store import IDLE, ServiceWindow, Store
 from agent.store.table import ServiceTable, counter_row, quantiles, sum_by
 
 QUANTILES = (0.5, 0.95, 0.99)
-# Untraced-event kinds: the kernel's cgroup_val counts untraced_<kind>.
-UNTRACED_KINDS = ("switch_in", "switch_out", "wakeup")
-# What full kernel maps could not record: cgroup_val's lost_<kind> (and _ns).
-LOST_KINDS = ("runq", "iowait", "blame")
+# The families read from the kernel's per-cgroup counters, each naming its fields.
+CGROUP_COUNTER_FAMILIES = tuple(spec for spec in SCHEDULER if spec.cgroup_fields)
 # by_service values exported per service, ranked by the wait they caused
 # since the service was first seen; "idle" is exported besides them.
 TOP_CULPRITS = 3
-# The most series one service costs without buckets (docs/metrics.md counts them).
-SERIES_PER_SERVICE = 30
+# The most series one service costs without buckets (docs/metrics.md's table
+# lists them): a histogram without buckets is 3 (+Inf, _sum, _count), the
+# quantile summary 5, a culprit 3; each per-cgroup counter one per field.
+SERIES_PER_SERVICE = (
+    3 + 1 + 5 + 3                # run-queue histogram, wait, quantiles; I/O-wait histogram
+    + 1 + 3                      # throttling; request delay histogram
+    + 3 * TOP_CULPRITS + 1       # the top culprits, and idle
+    + sum(len(spec.cgroup_fields) for spec in CGROUP_COUNTER_FAMILIES if spec.in_budget))
 
 
 @dataclass(frozen=True)
@@ -165,6 +163,17 @@ class Sources:
     # (service, request SLO) -> (target, value judged over the last minute or None, ok)
     request_slos: Callable[[], Mapping[tuple[str, str], tuple[float, float | None, bool]]] | None = None
     agent_stats: Callable[[], AgentStats] | None = None
+
+
+def read_points(spec: MetricSpec, figures: object) -> tuple[Point, ...]:
+    """The points of a family its catalog entry reads (MetricSpec.read) from
+    its source's figures: a number is one point without labels, a mapping one
+    point per key (a label value, or a tuple of them), sorted."""
+    assert spec.read is not None, spec.name
+    value = spec.read(figures)
+    if not isinstance(value, Mapping):
+        return (Point((), value),)
+    return tuple(Point(key if isinstance(key, tuple) else (key,), n) for key, n in sorted(value.items()))
 
 
 def summed(*hooks: Callable[[], Mapping[tuple[str, str], int]]) -> Callable[[], dict[tuple[str, str], int]]:
@@ -282,14 +291,10 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         if count:
             points[IOWAIT.name].append(histogram(s, HIST_IOWAIT, count, sum_ns))
         cnt = counter_row(counters[i])
-        if cnt["migrations"]:
-            points[MIGRATIONS.name].append(Point((s,), cnt["migrations"]))
-        for kind in UNTRACED_KINDS:
-            if cnt[f"untraced_{kind}"]:
-                points[UNTRACED.name].append(Point((s, kind), cnt[f"untraced_{kind}"]))
-        for kind in LOST_KINDS:
-            if cnt[f"lost_{kind}"]:
-                points[LOST_WAITS.name].append(Point((s, kind), cnt[f"lost_{kind}"]))
+        for spec in CGROUP_COUNTER_FAMILIES:
+            for name, labels in spec.cgroup_fields:
+                if cnt[name]:
+                    points[spec.name].append(Point((s, *labels), cnt[name]))
 
     # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
     every = np.array([name in with_buckets for name in totals.names], bool)
@@ -357,12 +362,9 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
 
     if sources.agent_stats is not None:
         stats = sources.agent_stats()
-        points[POLL_DURATION.name].append(Point((), stats.poll_duration_seconds))
-        points[POLL_ERRORS.name].append(Point((), float(stats.poll_errors)))
-        for kind, n in sorted(stats.waits_seen.items()):
-            points[WAITS_SEEN.name].append(Point((kind,), float(n)))
-        for kind, n in sorted(stats.waits_missing.items()):
-            points[WAITS_MISSING.name].append(Point((kind,), float(n)))
+        for spec in SCHEDULER:
+            if spec.source == AGENT_STATS:
+                points[spec.name] += read_points(spec, stats)
     points[SERVICES_TRACKED.name].append(Point((), float(len(services))))
     points[INTERVALS.name].append(Point((), float(store.intervals_collected)))
     points[BUILD_INFO.name].append(Point((__version__,), 1.0))

@@ -31,8 +31,8 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 from agent import __version__
-from agent.export.catalog import OTLP_EXPORT, OTLP_EXPORT_DROPPED, OTLP_EXPORT_FAILURES, OTLP_EXPORTS
-from agent.export.figures import Family, Point
+from agent.export.catalog import OTLP_EXPORT
+from agent.export.figures import Family, read_points
 from agent.export.otlp_settings import (
     GRPC,
     ExportSettings,
@@ -228,11 +228,7 @@ class _ExportStatsCollector(Collector):
         self._exporter = exporter
 
     def collect(self) -> Iterable[PromMetric]:
-        st = self._exporter.stats
-        endpoint = (self._exporter.settings.endpoint,)
-        return [to_metric(Family(OTLP_EXPORTS, (Point(endpoint, st.exports),))),
-                to_metric(Family(OTLP_EXPORT_FAILURES, (Point(endpoint, st.failures),))),
-                to_metric(Family(OTLP_EXPORT_DROPPED, (Point(endpoint, st.dropped_points),)))]
+        return [to_metric(Family(spec, read_points(spec, self._exporter))) for spec in OTLP_EXPORT]
 
     def describe(self) -> Iterable[PromMetric]:
         return [declared(spec) for spec in OTLP_EXPORT]

@@ -10,56 +10,22 @@ Every family is written even without samples, as it always was.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from agent.export.catalog import (
-    ATTRIBUTION_ERRORS,
-    CLAIMS_IGNORED,
-    ENGINE_LATENCY,
-    ENGINE_SCRAPE_ERRORS,
-    ENGINES,
-    FORWARD_DROPPED,
-    PENDING_OVERFLOW,
-    QUANTILE_WINDOW_S,
-    REJECTED_REQUESTS,
-    REQUESTS_ATTRIBUTED,
-    REQUESTS_EVICTED,
-    REQUESTS_PENDING,
-    SPANS_FORWARDED,
-    SPANS_RECEIVED,
-    SPANS_UNRESOLVED,
-    TRACES,
-    TRUNCATED_ATTRIBUTES,
-)
-from agent.export.figures import Family, Point, SummaryPoint
+from agent.export.catalog import ENGINE_LATENCY, ENGINE_SCRAPE_ERRORS, ENGINES, QUANTILE_WINDOW_S, TRACES
+from agent.export.figures import Family, Point, SummaryPoint, read_points
 from agent.export.prometheus import declared, to_metric
 
 __all__ = ["EngineCollector", "TraceCollector"]
 
 
-class _TraceTotals(Protocol):
-    """agent.traces.metrics.TraceTotals, as read here."""
-
-    received: Mapping[str, int]
-    rejected: Mapping[tuple[str, str], int]
-    unresolved: Mapping[str, int]
-    claims_ignored: Mapping[str, int]
-    requests: Mapping[str, int]
-    pending: int
-    pending_dropped: int
-    forwarded: int
-    truncated_attributes: int
-    store_evicted: int
-    attribution_errors: int
-    forward_dropped: Mapping[str, int]
-
-
 class _TraceCounters(Protocol):
-    def totals(self) -> _TraceTotals: ...
+    def totals(self) -> object:
+        """agent.traces.metrics.TraceTotals: the catalog's TRACES entries say what they read of it."""
 
 
 class _EngineSummary(Protocol):
@@ -77,31 +43,14 @@ class _EngineScraper(Protocol):
     def latency_summaries(self, window_s: float) -> Sequence[_EngineSummary]: ...
 
 
-def _by_key(counts: Mapping) -> tuple[Point, ...]:
-    """One point per key (a label value, or a tuple of them), sorted."""
-    return tuple(Point(key if isinstance(key, tuple) else (key,), n) for key, n in sorted(counts.items()))
-
-
 class TraceCollector(Collector):
     def __init__(self, counters: _TraceCounters) -> None:
         self._counters = counters
 
     def families(self) -> tuple[Family, ...]:
+        # Each family is read from the totals by its catalog entry.
         t = self._counters.totals()
-        return (
-            Family(SPANS_RECEIVED, _by_key(t.received)),
-            Family(REJECTED_REQUESTS, _by_key(t.rejected)),
-            Family(SPANS_UNRESOLVED, _by_key(t.unresolved)),
-            Family(CLAIMS_IGNORED, _by_key(t.claims_ignored)),
-            Family(REQUESTS_ATTRIBUTED, _by_key(t.requests)),
-            Family(REQUESTS_PENDING, (Point((), t.pending),)),
-            Family(PENDING_OVERFLOW, (Point((), t.pending_dropped),)),
-            Family(SPANS_FORWARDED, (Point((), t.forwarded),)),
-            Family(TRUNCATED_ATTRIBUTES, (Point((), t.truncated_attributes),)),
-            Family(REQUESTS_EVICTED, (Point((), t.store_evicted),)),
-            Family(ATTRIBUTION_ERRORS, (Point((), t.attribution_errors),)),
-            Family(FORWARD_DROPPED, _by_key(t.forward_dropped)),
-        )
+        return tuple(Family(spec, read_points(spec, t)) for spec in TRACES)
 
     def collect(self) -> Iterator[Metric]:
         for family in self.families():

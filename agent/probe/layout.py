@@ -47,19 +47,14 @@ TALLY_IOWAIT = 1
 NR_TALLY = 2
 BLAME_CACHE = 64  # per-CPU blame_cache entries per generation
 HIST_CACHE = 512  # per-CPU hist_cache entries per generation
-# cgroup_val, in field order (CG_* are the indices)
+# cgroup_val, in field order: the one Python list of the per-cgroup counters.
+# The snapshot's rows and CgroupCounters, the store's columns, the exported
+# families (agent/export/catalog.py names the fields it reads) all iterate it;
+# the programs find a field's index from the struct itself (CG_INDEX()).
 CGROUP_FIELDS = (
     "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
     "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
 )
-CG_MIGRATIONS = 0
-CG_UNTRACED_SWITCH_IN = 1
-CG_UNTRACED_SWITCH_OUT = 2
-CG_UNTRACED_WAKEUP = 3
-CG_LOST_RUNQ = 4
-CG_LOST_IOWAIT = 6
-CG_LOST_BLAME = 8
-CG_FIELDS = len(CGROUP_FIELDS)
 # errors array index (ERR_*) -> the map whose update failed; "pairs" is the
 # blame map (the name predates it and labels exported series).
 ERROR_MAPS = ("tasks", "hists", "pairs", "cgroups", "events", "events_rate_limited")
@@ -109,12 +104,8 @@ class CgroupKey(ct.Structure):
     _fields_ = [("cgid", ct.c_uint64), ("gen", ct.c_uint32), ("pad", ct.c_uint32)]
 
 
-
-
 class CgroupVal(ct.Structure):
     _fields_ = [(name, ct.c_uint64) for name in CGROUP_FIELDS]
-
-
 
 
 class SchedEvent(ct.Structure):

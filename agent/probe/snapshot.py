@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -46,20 +46,11 @@ class PairCounters(NamedTuple):
     wait_ns: int
 
 
-@dataclass(frozen=True)
-class CgroupCounters:
-    migrations: int = 0
-    untraced_switch_in: int = 0
-    untraced_switch_out: int = 0
-    untraced_wakeup: int = 0
-    # Waits a full map could not take (bpf/sched.h cgroup_val): counted here so
-    # a record can say what share of waits its figures cover.
-    lost_runq: int = 0
-    lost_runq_ns: int = 0
-    lost_iowait: int = 0
-    lost_iowait_ns: int = 0
-    lost_blame: int = 0
-    lost_blame_ns: int = 0
+# One cgroup's counters of an interval, a field per cgroup_val member (0 when
+# not given), so a counter added to the struct needs nothing here. Among them
+# the waits a full map could not take, so a record can say what share of waits
+# its figures cover.
+CgroupCounters = make_dataclass("CgroupCounters", [(f, int, 0) for f in CGROUP_FIELDS], frozen=True)
 
 
 @dataclass(frozen=True)

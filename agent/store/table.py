@@ -53,20 +53,35 @@ class ServiceInterval:
     iowait: Histogram
     # The victim's view: preemptor service -> preemptions of this service by it.
     preempted_by: Mapping[str, PairCounters]
-    migrations: int
-    untraced_switch_in: int
-    untraced_switch_out: int
-    untraced_wakeup: int
     cgroups: frozenset[int]
+    # Every per-cgroup counter of the kernel, summed over the service's
+    # cgroups: cgroup_val field -> count (agent/probe/layout.py CGROUP_FIELDS).
+    counters: Mapping[str, int] = field(default_factory=lambda: MappingProxyType(dict.fromkeys(CGROUP_FIELDS, 0)))
     # Run-queue waits after a wakeup, by the service that held the CPU until
     # they ended ("idle": the CPU was idle). With preempted_by and lost_blame,
     # sums to runq.
     waited_behind: Mapping[str, PairCounters] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def migrations(self) -> int:
+        return self.counters.get("migrations", 0)
+
     # What full kernel maps could not record (waits and their ns): runq and
     # iowait waits missing from the histograms, runq waits missing from blame.
-    lost_runq: PairCounters = PairCounters(0, 0)
-    lost_iowait: PairCounters = PairCounters(0, 0)
-    lost_blame: PairCounters = PairCounters(0, 0)
+    @property
+    def lost_runq(self) -> PairCounters:
+        return self._lost("runq")
+
+    @property
+    def lost_iowait(self) -> PairCounters:
+        return self._lost("iowait")
+
+    @property
+    def lost_blame(self) -> PairCounters:
+        return self._lost("blame")
+
+    def _lost(self, kind: str) -> PairCounters:
+        return PairCounters(self.counters.get(f"lost_{kind}", 0), self.counters.get(f"lost_{kind}_ns", 0))
 
     @property
     def coverage(self) -> float:
@@ -193,20 +208,13 @@ class ServiceTable:
             name_by = self.names[by]
             old = table.get(name_by)
             table[name_by] = PairCounters(c, w) if old is None else PairCounters(old[0] + c, old[1] + w)
-        cnt = counter_row(self.counters[i].tolist())
         return ServiceInterval(
             runq=self.histogram(i, HIST_RUNQ),
             iowait=self.histogram(i, HIST_IOWAIT),
             preempted_by=MappingProxyType(dict(sorted(pairs.items()))),
-            migrations=cnt["migrations"],
-            untraced_switch_in=cnt["untraced_switch_in"],
-            untraced_switch_out=cnt["untraced_switch_out"],
-            untraced_wakeup=cnt["untraced_wakeup"],
             cgroups=self.cgroups_of(name),
+            counters=MappingProxyType(counter_row(self.counters[i].tolist())),
             waited_behind=MappingProxyType(dict(sorted(holders.items()))),
-            lost_runq=PairCounters(cnt["lost_runq"], cnt["lost_runq_ns"]),
-            lost_iowait=PairCounters(cnt["lost_iowait"], cnt["lost_iowait_ns"]),
-            lost_blame=PairCounters(cnt["lost_blame"], cnt["lost_blame_ns"]),
         )
 
     # Builders.

@@ -4,9 +4,10 @@ vLLM's `llm_request` span is parsed in full (agent.traces.spans). Other servers
 describe their requests differently; a rule says which span is one request
 (a glob on the span name, and attributes it must carry), which attribute holds
 its id, and which hold its end-to-end, queue and first-token times. Presets
-cover the servers known to send spans, checked against span shapes derived
-from each server's own tracing code (tests/unit/fixtures/otlp/*, which name
-the release or commit read):
+(their rules in agent/config.py PRESETS, their command lines here) cover the
+servers known to send spans, checked against span shapes derived from each
+server's own tracing code (tests/unit/fixtures/otlp/*, which name the release
+or commit read):
 
 - sglang (`--enable-trace`, OTLP/gRPC or http/protobuf, service.name
   `sglang`): the root span of a request is "<role> Req <rid[:8]>" (role empty
@@ -45,11 +46,11 @@ from typing import Any
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from agent.config import REQUEST_SERVERS, RequestSpanRule
+from agent.config import PRESETS, RequestSpanRule
 from agent.identity.cgroups import CgroupPaths
 from agent.traces.engine_metrics import engine_url
 from agent.traces.identity import cgroup_v2_path
-from agent.traces.spans import REQUEST_SPAN_NAME, RequestSpan, attributes, request_span
+from agent.traces.spans import RequestSpan, attributes, request_span
 
 __all__ = ["PRESETS", "RequestRules", "ServerProcesses", "is_server_cmdline", "parse_duration", "parse_request"]
 
@@ -83,18 +84,7 @@ _CMDLINES: dict[str, tuple[re.Pattern[str], ...]] = {
     "tgi": (re.compile(r"(^|/)text-generation-(launcher|router|server)(\x00|$)"),),
 }
 
-# The module of TGI's HTTP handlers, as tracing-opentelemetry names it on their spans.
-_TGI_HANDLERS = (("code.namespace", "text_generation_router::server"),)
-
-PRESETS: dict[str, tuple[RequestSpanRule, ...]] = {
-    "vllm": (RequestSpanRule(REQUEST_SPAN_NAME, ("gen_ai.request.id",), server="vllm"),),
-    "sglang": (RequestSpanRule("*Req *", ("rid", "gen_ai.request.id"), e2e="gen_ai.latency.e2e",
-                               ttft="gen_ai.latency.time_to_first_token", server="sglang"),),
-    "triton": (RequestSpanRule("InferRequest", server="triton"),),
-    "tgi": tuple(RequestSpanRule(name, e2e="total_time", queue="queue_time", server="tgi", where=_TGI_HANDLERS)
-                 for name in ("generate", "generate_stream", "completions", "chat_completions")),
-}
-assert set(PRESETS) == set(REQUEST_SERVERS) == set(_CMDLINES)
+assert set(PRESETS) == set(_CMDLINES)
 
 
 def parse_duration(value: Any) -> float | None:

@@ -25,6 +25,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
 
 from agent.attribution.request_span import RequestSpan
+from agent.config import REQUEST_SPAN_NAME
 
 __all__ = [
     "REQUEST_SPAN_NAME",
@@ -36,7 +37,6 @@ __all__ = [
     "request_span",
 ]
 
-REQUEST_SPAN_NAME = "llm_request"
 
 
 class VllmAttr:

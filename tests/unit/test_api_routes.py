@@ -195,7 +195,7 @@ def test_cli_attribution_table_shows_the_api_figures(api):
 
 
 def test_cli_services_and_checks_tables(capsys):
-    from agent.cli.render import print_checks, print_services
+    from agent.cli.main import print_checks, print_services
     from agent.check import Check
 
     print_services({"services": [{"name": "web", "source": "config", "tasks": 3, "cgroups": ["/a", "/b"]}]})
@@ -213,3 +213,18 @@ def test_attribution_carries_the_engines_figures_of_the_services_that_have_one(a
     records = {r["service"]: r for r in doc["attribution"]}
     assert records["web"]["engine"] == ENGINE and "engine" not in records["batch"]
     assert seen == [(60.0, None)]
+
+
+def test_every_route_and_query_command_is_in_the_api_contract(api):
+    """docs/api.md's table is the one list of routes (the README points to it):
+    every route served is in it, and so is every command that queries one."""
+    from agent.cli.main import COMMANDS
+    from agent.traces.api import REQUESTS_PATH, SPANS_PATH
+    from agent.traces.engines import ENGINES_PATH
+
+    doc = (REPO / "docs" / "api.md").read_text()
+    table = [line for line in doc.splitlines() if line.startswith("| `GET ")]
+    for route in [*api._routes, REQUESTS_PATH, REQUESTS_PATH + "/{id}", SPANS_PATH, ENGINES_PATH, "/metrics"]:
+        assert any(f"`GET {route}`" in row or f"`GET {route}?" in row for row in table), route
+    cli = {name for row in table for name in re.findall(r"`(\w+)`", row.rsplit("|", 2)[1])}
+    assert cli == set(COMMANDS) - {"run", "check"}

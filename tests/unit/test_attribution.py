@@ -15,6 +15,7 @@ from agent.attribution.attribution import attribution, service_record
 from agent.attribution.blame import blame, blame_from_totals
 from agent.attribution.breaches import SloBreaches
 from agent.config import Slo
+from agent.probe.layout import CGROUP_FIELDS
 from agent.probe.snapshot import Bucket, PairCounters
 from agent.store.histogram import Histogram, slot_of
 from agent.store.store import ServiceInterval, Window
@@ -34,8 +35,7 @@ def hist(values_ns: list[int]) -> Histogram:
 def figures(runq_ns: list[int], by: dict[str, tuple[int, int]], iowait_ns: list[int] = ()) -> ServiceInterval:
     return ServiceInterval(runq=hist(runq_ns), iowait=hist(list(iowait_ns)),
                            preempted_by=MappingProxyType({k: PairCounters(*v) for k, v in by.items()}),
-                           migrations=3, untraced_switch_in=0, untraced_switch_out=0, untraced_wakeup=0,
-                           cgroups=frozenset({1}))
+                           cgroups=frozenset({1}), counters=dict.fromkeys(CGROUP_FIELDS, 0) | {"migrations": 3})
 
 
 def test_neighbours_ranked_by_measured_wait() -> None:
@@ -128,10 +128,10 @@ def test_lost_waits_stay_unattributed_and_lower_coverage() -> None:
     # (5 waits); 0.4 s behind "batch" recorded, 0.6 s of wakeup wait with no
     # blame entry.
     f = figures([100 * MS] * 10, {})
-    f = ServiceInterval(runq=f.runq, iowait=f.iowait, preempted_by=f.preempted_by, migrations=0,
-                        untraced_switch_in=0, untraced_switch_out=0, untraced_wakeup=0, cgroups=f.cgroups,
+    f = ServiceInterval(runq=f.runq, iowait=f.iowait, preempted_by=f.preempted_by, cgroups=f.cgroups,
                         waited_behind=MappingProxyType({"batch": PairCounters(4, 400 * MS)}),
-                        lost_runq=PairCounters(5, 500 * MS), lost_blame=PairCounters(11, 1100 * MS))
+                        counters=dict.fromkeys(CGROUP_FIELDS, 0) | {"lost_runq": 5, "lost_runq_ns": 500 * MS,
+                                                                    "lost_blame": 11, "lost_blame_ns": 1100 * MS})
     b = blame("web", f)
     assert b["delay_seconds"] == pytest.approx(1.5)
     # Known culprits keep their measured time; the rest is named unattributed.

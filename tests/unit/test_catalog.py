@@ -24,6 +24,7 @@ from agent.export.otlp_translate import family_to_metric
 from agent.export.prometheus import Registry
 from agent.export.servers import ServerCollector
 from agent.export.traces import TraceCollector
+from agent.probe.layout import CGROUP_FIELDS
 from agent.traces.metrics import TraceCounters
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +77,18 @@ def test_every_family_is_in_one_part_of_the_catalog():
         assert spec.name.startswith("slatrace_") and spec.help.endswith(".")
         assert spec.unit in ("s", "1"), spec.name
         assert (spec.unit == "s") == ("_seconds" in spec.name), spec.name
+
+
+def test_what_feeds_a_family_is_declared_with_it():
+    """The collectors that write families without code of their own find what
+    feeds each in its entry: a field of the kernel's per-cgroup counters, or a
+    reader of its source's figures."""
+    for spec in FAMILIES:
+        for field, labels in spec.cgroup_fields:
+            assert spec.labels[0] == "service", spec.name
+            assert field in CGROUP_FIELDS and len(labels) == len(spec.labels) - 1, spec.name
+    read = [spec for spec in catalog.SCHEDULER if spec.source == catalog.AGENT_STATS]
+    assert read and all(spec.read is not None for spec in (*read, *catalog.TRACES, *catalog.OTLP_EXPORT))
 
 
 def test_the_collectors_write_exactly_the_catalog():

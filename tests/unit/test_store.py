@@ -114,12 +114,12 @@ def test_first_interval_aggregates_cgroups_per_service() -> None:
     assert web.iowait == Histogram({100: Bucket(1, 70000)})
     assert dict(web.preempted_by) == {"batch": PairCounters(2, 3000), "unknown": PairCounters(1, 500)}
     assert web.preemptions == 3 and web.preempted_wait_ns == 3500
-    assert web.migrations == 3 and web.untraced_switch_in == 0
+    assert web.migrations == 3 and web.counters["untraced_switch_in"] == 0
     assert web.cgroups == frozenset({WEB_A, WEB_B})
     assert batch.runq == BATCH_1_RUNQ
     assert batch.iowait.count == 0
     assert dict(batch.preempted_by) == {}
-    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (1, 1, 0)
+    assert (batch.migrations, batch.counters["untraced_switch_in"], batch.counters["untraced_wakeup"]) == (1, 1, 0)
     assert batch.cgroups == frozenset({BATCH})
     assert dict(r1.errors) == {}
 
@@ -135,7 +135,7 @@ def test_second_interval_is_the_drained_counts() -> None:
     assert web.cgroups == frozenset({WEB_A})
     assert batch.runq == BATCH_2_RUNQ
     assert dict(batch.preempted_by) == {"web": PairCounters(1, 250)}
-    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (0, 0, 2)
+    assert (batch.migrations, batch.counters["untraced_switch_in"], batch.counters["untraced_wakeup"]) == (0, 0, 2)
     assert dict(r2.errors) == {"hists": 2}
 
 
@@ -183,7 +183,7 @@ def test_window_merges_to_hand_summed_histograms() -> None:
     assert web.cgroups == frozenset({WEB_A, WEB_B})
     batch = w.services["batch"]
     assert batch.runq == Histogram({40: Bucket(5, 25100)})
-    assert (batch.migrations, batch.untraced_switch_in, batch.untraced_wakeup) == (1, 1, 2)
+    assert (batch.migrations, batch.counters["untraced_switch_in"], batch.counters["untraced_wakeup"]) == (1, 1, 2)
     assert dict(w.errors) == {"hists": 2}
 
     only_batch = store.window(since_s=60, service="batch")
