@@ -159,10 +159,16 @@ def test_prometheus_scrapes_over_tls_with_basic_auth_and_the_cli_follows(pki, tm
             out = cli("services", "--agent", f"http://localhost:{agent.port}")
             assert out.returncode == 2 and "use an https:// URL" in out.stderr, out.stderr
 
-            # attribution --prometheus against a Prometheus behind TLS and basic auth.
-            out = cli("attribution", "--json", "--since", "30", "--prometheus", url, "--ca-file", str(pki.ca),
-                      "--user", USER, "--password-file", str(password_file))
-            assert out.returncode == 0, out.stderr
+            # attribution --prometheus against a Prometheus behind TLS and basic auth. An increase needs two
+            # scrapes that saw the counters move, which a loaded machine may not have had yet.
+            deadline = time.monotonic() + 30
+            while True:
+                out = cli("attribution", "--json", "--since", "30", "--prometheus", url, "--ca-file", str(pki.ca),
+                          "--user", USER, "--password-file", str(password_file))
+                assert out.returncode == 0, out.stderr
+                if json.loads(out.stdout)["attribution"] or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
             assert json.loads(out.stdout)["attribution"]
             out = cli("attribution", "--since", "30", "--prometheus", url, "--ca-file", str(pki.ca))
             assert out.returncode == 2 and f"Prometheus at {url} asks for credentials" in out.stderr, out.stderr
