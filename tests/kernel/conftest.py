@@ -14,19 +14,28 @@ def probe():
     yield from _load("auto")
 
 
+@pytest.fixture
+def unlimited_probe():
+    """The programs with an event rate no workload here reaches: the rate
+    limit (tested on its own) must not thin a stream compared one for one."""
+    from agent.probe.loader import MapSizes
+    yield from _load("auto", MapSizes(event_rate=10_000_000))
+
+
 @pytest.fixture(params=["raw", "classic"])
 def probe_each_mode(request):
     """The programs on raw tracepoints, then on classic ones."""
     yield from _load(request.param)
 
 
-def _load(tracepoints: str):
+def _load(tracepoints: str, sizes=None):
     reason = kernel_unavailable() or (None if importlib.util.find_spec("bcc") else "python3-bpfcc is not installed")
     if reason:
         require_kernel(reason)
     from agent.probe import features
     from agent.probe.loader import Probe
 
-    p = Probe.load(features.detect(), tracepoints=tracepoints)
+    p = Probe.load(features.detect(), tracepoints=tracepoints) if sizes is None else \
+        Probe.load(features.detect(), sizes, tracepoints=tracepoints)
     yield p
     p.close()

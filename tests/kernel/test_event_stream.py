@@ -14,7 +14,8 @@ from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_arg
 pytestmark = pytest.mark.kernel
 
 
-def test_watched_cgroup_events_equal_its_histogram(probe):
+def test_watched_cgroup_events_equal_its_histogram(unlimited_probe):
+    probe = unlimited_probe
     with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim:
         probe.watch({victim.id})
         for cpu in (0, 1):
