@@ -52,6 +52,11 @@ def attachment(release: str | None = None) -> Check:
     where = (f"sched_switch passes no prev_state (kernels before 5.18), so it is read from "
              f"task_struct.{layout.state_field} at byte {layout.state_offset}"
              if layout.state_offset is not None else "sched_switch passes prev_state")
+    recovery = ("a wait after a wake-up the kernel kept from the programs is recovered from "
+                "task_struct.sched_info.last_queued and the run queue's clock"
+                if layout.queue_clock is not None else
+                f"a wait after a wake-up the kernel kept from the programs is lost, only counted "
+                f"({layout.queue_clock_missing})")
     return Check("attachment", True, f"kernel {release}: raw tracepoints (the cheaper mode; --attach-mode classic "
                  f"also works here): {where}; task_struct.pid at byte {layout.pid_offset} and .flags at "
-                 f"{layout.flags_offset}, from the kernel's BTF")
+                 f"{layout.flags_offset}, from the kernel's BTF; {recovery}")

@@ -18,6 +18,12 @@
  *   HIST_CACHE, BLAME_CACHE   per-CPU cache entries per generation (sched.h)
  *   EVENT_PAGES     ring buffer size in pages (a power of two)
  *   MAX_EVENT_RATE  events per CPU per ~1.07 s (2^30 ns) window
+ *   TASK_LAST_QUEUED_OFF, TASK_SE_CFS_RQ_OFF, CFS_RQ_RQ_OFF, RQ_CLOCK_OFF
+ *                 (raw only, where the BTF has them) the scheduler's own
+ *                 enqueue time of a task and its run queue's clock
+ *                 (agent/probe/btf.py QueueClock): missed_enqueue()
+ *   SKIP_WAKEUPS  tests only: ignore about one wake-up in that many, as if
+ *                 the kernel had skipped the program
  */
 #include "sched.h"
 
@@ -283,6 +289,46 @@ static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u6
     events.ringbuf_submit(e, 0);
 }
 
+/* When the scheduler enqueued a task whose wake-up the programs never saw,
+ * on the programs' clock. The kernel skips a tracepoint's program when it
+ * fires inside a program already running on that CPU (recursion_misses; an
+ * interrupt that wakes tasks while a task's own wake-up is being traced), so a
+ * switch-in can find its task still asleep. The scheduler stamps the task's
+ * sched_info.last_queued with its run queue's clock at enqueue and clears it
+ * only after this tracepoint: the run queue's clock minus that stamp is the
+ * wait, a few µs short (the clock was read when __schedule began). A stamp
+ * older than the sleep the programs saw is not this wait's: false. */
+#if defined(RAW_TP) && defined(TASK_LAST_QUEUED_OFF)
+static __always_inline bool missed_enqueue(task_key_t task, u64 slept_at, u64 now, u64 *queued)
+{
+    u64 last = 0, cfs_rq = 0, rq = 0, clock = 0;
+    bpf_probe_read_kernel(&last, sizeof(last), (void *)(task + TASK_LAST_QUEUED_OFF));
+    bpf_probe_read_kernel(&cfs_rq, sizeof(cfs_rq), (void *)(task + TASK_SE_CFS_RQ_OFF));
+    if (!last || !cfs_rq)
+        return false;
+    bpf_probe_read_kernel(&rq, sizeof(rq), (void *)(cfs_rq + CFS_RQ_RQ_OFF));
+    if (!rq)
+        return false;
+    bpf_probe_read_kernel(&clock, sizeof(clock), (void *)(rq + RQ_CLOCK_OFF));
+    if (clock < last || clock - last > now - slept_at)
+        return false;
+    *queued = now - (clock - last);
+    return true;
+}
+#else
+static __always_inline bool missed_enqueue(task_key_t task, u64 slept_at, u64 now, u64 *queued)
+{
+    return false;  /* classic tracepoints pass no task pointer to read it from */
+}
+#endif
+
+/* A D-state sleep that ended at `end`: the I/O wait. */
+static __always_inline void iowait_end(struct ctl c, struct task_info *t, task_key_t task, u64 end)
+{
+    hist_add(t->cgid, c.gen, HIST_IOWAIT, end - t->ts);
+    emit(c, t->cgid, EV_IOWAIT, t->ts, end, 0, task);
+}
+
 /* The state machine, shared by both attachments below. */
 
 /* prev and next are 0 for the idle task where the attachment knows it
@@ -308,19 +354,27 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         if (n) {
             next_cgid = n->cgid;
             u32 st = n->state;
+            u64 since = n->ts;
+            if (st == TS_SLEEPING || st == TS_BLOCKED) {
+                cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_wakeup), 0);
+                if (missed_enqueue(next, n->ts, now, &since)) {
+                    cgroup_add(next_cgid, c.gen, CG_INDEX(recovered_wakeup), 0);
+                    if (st == TS_BLOCKED)
+                        iowait_end(c, n, next, since);
+                    st = TS_RUNNABLE;
+                }
+            }
             if (st == TS_RUNNABLE || st == TS_PREEMPTED) {
-                u64 wait = now - n->ts;
+                u64 wait = now - since;
                 hist_add(next_cgid, c.gen, HIST_RUNQ, wait);
                 /* Blame: a preempted wait on its preemptor, a wait after a
                  * wakeup on whoever held the CPU until it ended. */
                 bool preempted = st == TS_PREEMPTED;
                 u64 culprit = preempted ? n->preemptor_cgid : cgid;
                 blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait);
-                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, n->ts, now, culprit, next);
+                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, since, now, culprit, next);
             } else if (st == TS_RUNNING) {
                 cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_switch_out), 0);
-            } else if (st == TS_SLEEPING || st == TS_BLOCKED) {
-                cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_wakeup), 0);
             }
             n->state = TS_RUNNING;
             n->ts = now;
@@ -349,6 +403,10 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
 
 static __always_inline int on_wakeup(task_key_t task)
 {
+#ifdef SKIP_WAKEUPS
+    if (bpf_get_prandom_u32() % SKIP_WAKEUPS == 0)
+        return 0;
+#endif
     struct task_info *t = tasks.lookup(&task);
     if (!t)
         return 0; /* never seen on a CPU: its cgroup is unknown */
@@ -358,11 +416,8 @@ static __always_inline int on_wakeup(task_key_t task)
     if (st == TS_RUNNING || st == TS_RUNNABLE || st == TS_PREEMPTED)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    if (st == TS_BLOCKED) {
-        struct ctl c = read_ctl();
-        hist_add(t->cgid, c.gen, HIST_IOWAIT, now - t->ts);
-        emit(c, t->cgid, EV_IOWAIT, t->ts, now, 0, task);
-    }
+    if (st == TS_BLOCKED)
+        iowait_end(read_ctl(), t, task, now);
     t->state = TS_RUNNABLE;
     t->ts = now;
     return 0;

@@ -162,6 +162,7 @@ struct cgroup_val {
     __u64 untraced_switch_in;   /* switch-out of a task still marked runnable */
     __u64 untraced_switch_out;  /* switch-in of a task already marked running */
     __u64 untraced_wakeup;      /* switch-in of a task still marked asleep */
+    __u64 recovered_wakeup;     /* of those, waits recovered from the kernel's enqueue time */
     /* What the full hists or blame map could not take, so a reader knows the
      * share of waits its figures cover instead of reading low quantiles.
      * Pairs of a count and its ns, last: cgroup_add_n() adds to both halves

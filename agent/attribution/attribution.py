@@ -65,6 +65,7 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
             "switch_in": figures.counters["untraced_switch_in"],
             "switch_out": figures.counters["untraced_switch_out"],
             "wakeup": figures.counters["untraced_wakeup"],
+            "wakeup_recovered": figures.counters["recovered_wakeup"],
         },
         "slo": slo,
         "blame": blame(service, figures, throttled_seconds),

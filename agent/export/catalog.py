@@ -188,6 +188,12 @@ UNTRACED = declare(
     "from the event stream); counted, never invented.",
     ("service", "kind"), unit="1", source="store",
     cgroup_fields=tuple((f"untraced_{kind}", (kind,)) for kind in ("switch_in", "switch_out", "wakeup")))
+RECOVERED = declare(
+    "slatrace_recovered_waits", "counter",
+    "Run-queue waits after a wakeup the programs did not see (counted in slatrace_untraced_events_total "
+    "with kind wakeup), recovered from the scheduler's own enqueue time and "
+    "included in the wait figures (raw tracepoints; docs/api.md).",
+    _SVC, unit="1", source="store", cgroup_fields=(("recovered_wakeup", ()),), in_budget=False)
 LOST_WAITS = declare(
     "slatrace_lost_waits", "counter",
     "Waits a full kernel map could not record (docs/maps.md), by kind: runq and iowait waits "
@@ -243,8 +249,8 @@ BUILD_INFO = declare(
 
 SCHEDULER: tuple[MetricSpec, ...] = (
     RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
-    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, LOST_WAITS, BPF_EVENTS, BPF_RUN,
-    BPF_MISSES, MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS,
+    SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, RECOVERED, LOST_WAITS, BPF_EVENTS,
+    BPF_RUN, BPF_MISSES, MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS,
     BUILD_INFO,
 )
 

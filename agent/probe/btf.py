@@ -9,7 +9,12 @@ from the running kernel's own type information (/sys/kernel/btf/vmlinux) and
 passed to the compiler as -D constants, so no kernel header is ever trusted
 for them.
 
-Only what is needed is decoded: struct members (name, bit offset) and the
+They also locate, when the kernel keeps them, the scheduler's own enqueue time
+of a task (task_struct.sched_info.last_queued, on the run queue's clock) and
+that clock (rq.clock, reached through task_struct.se.cfs_rq->rq): a switch-in
+whose wake-up the programs never saw recovers its wait from them.
+
+Only what is needed is decoded: struct members (name, type, bit offset) and the
 parameter count of the tracepoints' function prototypes (btf_trace_<name>),
 which tells whether sched_switch passes prev_state (kernels from 5.18) or
 the programs read it from the task (`__state` from 5.14, `state` before).
@@ -29,6 +34,9 @@ VMLINUX = Path("/sys/kernel/btf/vmlinux")
 BTF_MAGIC = 0xEB9F
 # kinds (btf.h BTF_KIND_*) and the bytes that follow a type's 12-byte header
 KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 4, 5, 8, 13
+# qualifiers a member's type may wrap its struct or pointer in: typedef,
+# volatile, const, restrict, type_tag
+KIND_QUALIFIERS = (8, 9, 10, 11, 18)
 _TRAILER = {1: lambda vlen: 4, 3: lambda vlen: 12, 4: lambda vlen: 12 * vlen, 5: lambda vlen: 12 * vlen,
             6: lambda vlen: 8 * vlen, 13: lambda vlen: 8 * vlen, 14: lambda vlen: 4,
             15: lambda vlen: 12 * vlen, 17: lambda vlen: 4, 19: lambda vlen: 12 * vlen}
@@ -36,6 +44,22 @@ _TRAILER = {1: lambda vlen: 4, 3: lambda vlen: 12, 4: lambda vlen: 12 * vlen, 5:
 
 class BtfError(SlatraceError):
     """The kernel's BTF is missing or lacks what the raw-tracepoint path needs."""
+
+
+@dataclass(frozen=True)
+class QueueClock:
+    """Where the kernel keeps a queued task's enqueue time and the clock it is
+    read on, in bytes. The scheduler stamps sched_info.last_queued with its
+    run queue's clock when it enqueues a task (CONFIG_SCHED_INFO) and clears it
+    only after the sched_switch tracepoint that runs the task, so at that
+    tracepoint rq.clock - last_queued is the wait. The run queue is reached
+    through the task's CFS run queue (cfs_rq.rq exists with
+    CONFIG_FAIR_GROUP_SCHED), which points at the task's CPU for every class."""
+
+    last_queued: int       # task_struct.sched_info.last_queued (u64, rq clock ns)
+    se_cfs_rq: int         # task_struct.se.cfs_rq (struct cfs_rq *)
+    cfs_rq_rq: int         # cfs_rq.rq (struct rq *)
+    rq_clock: int          # rq.clock (u64 ns)
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,10 @@ class TaskLayout:
     # before; its low 32 bits hold every state bit on little-endian).
     state_offset: int | None = None
     state_field: str = "prev_state"
+    # None when the kernel's BTF lacks one of its fields; queue_clock_missing
+    # then says which.
+    queue_clock: QueueClock | None = None
+    queue_clock_missing: str = ""
 
 
 class _Btf:
@@ -103,25 +131,75 @@ class _Btf:
         return out
 
 
-def _member_offset(btf: _Btf, struct_name: str, member: str) -> int:
-    """Byte offset of a member, looking through anonymous structs and unions."""
-    def find(tid: int, base_bits: int) -> int | None:
+def _strip(btf: _Btf, tid: int) -> tuple[int, int]:
+    """(type id, kind) under typedefs and qualifiers."""
+    while True:
+        _name, kind, _vlen, _kflag, ref = btf.header(tid)
+        if kind not in KIND_QUALIFIERS:
+            return tid, kind
+        tid = ref
+
+
+def _member(btf: _Btf, tid: int, member: str, owner: str) -> tuple[int, int]:
+    """(byte offset, type id) of a member of struct type tid, looking through
+    anonymous structs and unions."""
+    def find(tid: int, base_bits: int) -> tuple[int, int] | None:
         for m_name, m_type, bits in btf.members(tid):
             if m_name == member:
-                return base_bits + bits
+                return base_bits + bits, m_type
             if not m_name and btf.header(m_type)[1] in (KIND_STRUCT, KIND_UNION):
                 found = find(m_type, base_bits + bits)
                 if found is not None:
                     return found
         return None
 
-    tid = btf.find(KIND_STRUCT, struct_name)
+    found = find(tid, 0)
+    if found is None or found[0] % 8:
+        raise BtfError(f"{owner}.{member} not found (or not byte-aligned) in the kernel's BTF")
+    return found[0] // 8, found[1]
+
+
+def _struct(btf: _Btf, name: str) -> int:
+    tid = btf.find(KIND_STRUCT, name)
     if tid is None:
-        raise BtfError(f"struct {struct_name} not found in the kernel's BTF")
-    bits = find(tid, 0)
-    if bits is None or bits % 8:
-        raise BtfError(f"{struct_name}.{member} not found (or not byte-aligned) in the kernel's BTF")
-    return bits // 8
+        raise BtfError(f"struct {name} not found in the kernel's BTF")
+    return tid
+
+
+def _member_offset(btf: _Btf, struct_name: str, member: str) -> int:
+    """Byte offset of a member, looking through anonymous structs and unions."""
+    return _member(btf, _struct(btf, struct_name), member, struct_name)[0]
+
+
+def _path(btf: _Btf, tid: int, path: str, owner: str) -> tuple[int, int]:
+    """(byte offset, type id) of a dotted member path inside struct type tid."""
+    offset = 0
+    for member in path.split("."):
+        tid, kind = _strip(btf, tid)
+        if kind not in (KIND_STRUCT, KIND_UNION):
+            raise BtfError(f"{owner} is not a struct in the kernel's BTF")
+        off, tid = _member(btf, tid, member, owner)
+        offset, owner = offset + off, f"{owner}.{member}"
+    return offset, tid
+
+
+def _pointee(btf: _Btf, tid: int, what: str) -> int:
+    """The struct a pointer member points to."""
+    tid, kind = _strip(btf, tid)
+    if kind != KIND_PTR:
+        raise BtfError(f"{what} is not a pointer in the kernel's BTF")
+    return btf.header(tid)[4]
+
+
+def _queue_clock(btf: _Btf) -> QueueClock:
+    task = _struct(btf, "task_struct")
+    last_queued, _ = _path(btf, task, "sched_info.last_queued", "task_struct")
+    se_cfs_rq, cfs_rq_ptr = _path(btf, task, "se.cfs_rq", "task_struct")
+    cfs_rq = _pointee(btf, cfs_rq_ptr, "task_struct.se.cfs_rq")
+    cfs_rq_rq, rq_ptr = _path(btf, cfs_rq, "rq", "cfs_rq")
+    rq = _pointee(btf, rq_ptr, "cfs_rq.rq")
+    rq_clock, _ = _path(btf, rq, "clock", "rq")
+    return QueueClock(last_queued=last_queued, se_cfs_rq=se_cfs_rq, cfs_rq_rq=cfs_rq_rq, rq_clock=rq_clock)
 
 
 def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
@@ -152,13 +230,17 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
     if switch_args is None or switch_args < 3:
         raise BtfError("the kernel's BTF has no sched_switch(preempt, prev, next) raw tracepoint prototype")
     pid, flags = _member_offset(btf, "task_struct", "pid"), _member_offset(btf, "task_struct", "flags")
+    try:
+        clock = {"queue_clock": _queue_clock(btf)}
+    except BtfError as e:
+        clock = {"queue_clock_missing": str(e)}
     if switch_args >= 4:
-        return TaskLayout(pid_offset=pid, flags_offset=flags)
+        return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.
     for field in ("__state", "state"):
         try:
             state = _member_offset(btf, "task_struct", field)
-            return TaskLayout(pid_offset=pid, flags_offset=flags, state_offset=state, state_field=field)
+            return TaskLayout(pid_offset=pid, flags_offset=flags, state_offset=state, state_field=field, **clock)
         except BtfError:
             continue
     raise BtfError("sched_switch does not pass prev_state and task_struct has neither __state nor state in the "

@@ -52,7 +52,7 @@ HIST_CACHE = 512  # per-CPU hist_cache entries per generation
 # families (agent/export/catalog.py names the fields it reads) all iterate it;
 # the programs find a field's index from the struct itself (CG_INDEX()).
 CGROUP_FIELDS = (
-    "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup",
+    "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup", "recovered_wakeup",
     "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
 )
 # errors array index (ERR_*) -> the map whose update failed; "pairs" is the

@@ -71,7 +71,10 @@ def attach_mode(features: Features, wanted: str = "auto") -> str:
     return "raw"
 
 
-def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[str]:
+def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wakeups: int = 0) -> list[str]:
+    """The compiler's -I and -D flags. skip_wakeups (tests only): the wake-up
+    programs ignore about one wake-up in that many, as if the kernel had
+    skipped them, so the recovery of the waits they leave can be checked."""
     values = {
         "PREEMPT_BIT": features.states.preempt,
         "STATE_D": features.states.d,
@@ -96,6 +99,12 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic") -> list[s
         values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
         if features.task_layout.state_offset is not None:
             values["TASK_STATE_OFF"] = features.task_layout.state_offset
+        clock = features.task_layout.queue_clock
+        if clock is not None:
+            values.update(TASK_LAST_QUEUED_OFF=clock.last_queued, TASK_SE_CFS_RQ_OFF=clock.se_cfs_rq,
+                          CFS_RQ_RQ_OFF=clock.cfs_rq_rq, RQ_CLOCK_OFF=clock.rq_clock)
+    if skip_wakeups:
+        values["SKIP_WAKEUPS"] = skip_wakeups
     for name, value in values.items():
         if not isinstance(value, int) or value < 0 or value >= 1 << 32:
             raise ValueError(f"{name}={value!r} is not a valid unsigned 32-bit value")
@@ -142,15 +151,17 @@ class Probe:
         self._array_batch: bool | None = None
 
     @classmethod
-    def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto") -> "Probe":
+    def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
+             skip_wakeups: int = 0) -> "Probe":
         """Compile and attach. tracepoints: "auto" (raw where possible), "raw"
-        or "classic"; ValueError when "raw" cannot be used here."""
+        or "classic"; ValueError when "raw" cannot be used here. skip_wakeups:
+        see cflags()."""
         from bcc import BPF  # noqa: PLC0415  (bcc only where BPF is loaded)
 
         mode = attach_mode(features, tracepoints)
         src = bpf_source_dir() / "sched.bpf.c"
         try:
-            bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode))
+            bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode, skip_wakeups))
         except Exception:
             # libbcc's errno when it gave up (ctypes keeps it): ENOMEM is a map
             # the kernel could not charge, BCC's message says "failed to compile".

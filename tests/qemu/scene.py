@@ -2,7 +2,9 @@
 guest, or on the host for the first row): the documented set-up, then in
 every attach mode the agent offers here, the real agent beside a hog and a
 victim sharing one CPU, against an exact reference from the raw tracefs
-events of the same run. Writes everything measured as JSON; the test on the
+events of the same run; then, on raw tracepoints, the recovery of waits after
+wake-ups the programs miss (tests/support/missed_wakeups.py), which reads
+kernel structs at this kernel's BTF offsets. Writes everything measured as JSON; the test on the
 host judges it (tests/qemu/test_kernels.py).
 
 usage: python -m tests.qemu.scene OUT.json [SECONDS]
@@ -19,9 +21,11 @@ import time
 import traceback
 from pathlib import Path
 
+from tests.support import missed_wakeups
 from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.tracefs import TraceRecorder, percentile, reference
-from tests.support.workload import TestCgroup, hog_argv, process_state, victim_argv, wait_zombie
+from tests.support.workload import (TestCgroup, held_for_go, hog_argv, victim_argv, wait_blocked_in,
+                                    wait_zombie)
 
 # The victim at nice 10 beside a nice-0 hog on one CPU waits milliseconds per
 # wakeup, long against the emulator's noise (at nice 0 it preempts the hog
@@ -97,10 +101,10 @@ def run_mode(mode: str, seconds: float) -> dict:
             # holding the go: it ends after the go, but may end before the
             # agent reads its clock for the query, which under the emulator
             # takes a good part of an interval.)
-            victim = victim_cg.spawn(["/bin/sh", "-c", 'read go; exec "$@"', "sh", "nice", "-n", str(VICTIM_NICE),
-                                      "taskset", "-c", str(SHARED_CPU),
-                                      *victim_argv(seconds, sleep_ms=2.0, work_ms=0.5)], stdin=subprocess.PIPE)
-            _wait_blocked_in(victim_cg, victim.pid)
+            victim = victim_cg.spawn(held_for_go(["nice", "-n", str(VICTIM_NICE), "taskset", "-c", str(SHARED_CPU),
+                                                  *victim_argv(seconds, sleep_ms=2.0, work_ms=0.5)]),
+                                     stdin=subprocess.PIPE)
+            wait_blocked_in(victim_cg, victim.pid)
             _wait_collections(agent, 2)
             before = _everything_of(agent, "victim")
             with TraceRecorder() as rec:
@@ -148,17 +152,6 @@ def _everything_of(agent: Agent, service: str) -> dict:
     return {"count": runq["count"], "wait_seconds": runq["wait_seconds"]}
 
 
-def _wait_blocked_in(cgroup: TestCgroup, pid: int, timeout: float = 60.0) -> None:
-    """Until pid is in the cgroup and asleep: switched out since it moved in."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pid in cgroup.pids() and process_state(pid) == "S":
-            time.sleep(0.2)
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"the victim {pid} did not block in {cgroup.path}")
-
-
 def _wait_collections(agent: Agent, n: int, timeout: float = 120.0) -> None:
     """Until the agent has collected n more intervals: under the emulator a
     collection can fall a few intervals behind the clock."""
@@ -195,6 +188,8 @@ def main(argv: list[str]) -> int:
         doc["modes"] = _offered_modes()
         for mode in doc["modes"]:
             doc["rows"].append(run_mode(mode, seconds))
+        if "raw" in doc["modes"]:
+            doc["recovery"] = missed_wakeups.measure()
     except Exception:  # noqa: BLE001  (the host reports it)
         doc["error"] = traceback.format_exc()[-4000:]
     doc["seconds"] = time.monotonic() - t0

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kernel_unavailable, require_kernel
-from tests.support import qemu
+from tests.support import missed_wakeups, qemu
 from tests.support.agent import REPO
 
 pytestmark = pytest.mark.kernel
@@ -122,6 +122,8 @@ def summary(name: str, doc: dict) -> str:
                      f" | map errors {sum(row.get('map_errors', {}).values()):.0f}, missing "
                      f"{sum(row.get('waits_missing', {}).values()):.0f}, skipped "
                      f"{sum(row.get('program_misses', {}).values()):.0f}, stop {row.get('stop_exit')}")
+    if "recovery" in doc:
+        lines.append("  " + missed_wakeups.summary(doc["recovery"]))
     return "\n".join(lines)
 
 
@@ -146,6 +148,8 @@ def test_kernel_row(matrix: dict[str, dict], name: str) -> None:
     assert [r["mode"] for r in doc["rows"]] == doc["modes"]
     for row in doc["rows"]:
         judge_mode(name, row)
+    # A guest's root is the host's over 9p: no block device for the I/O loop there.
+    missed_wakeups.judge(doc["recovery"], name, emulated=name != "host")
 
 
 def judge_mode(name: str, row: dict) -> None:

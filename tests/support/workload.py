@@ -288,6 +288,23 @@ def process_state(pid: int, proc: Path = Path("/proc")) -> str | None:
     return stat[stat.rindex(")") + 2]
 
 
+def wait_blocked_in(cgroup: TestCgroup, pid: int, timeout: float = 60.0) -> None:
+    """Until pid is in the cgroup and asleep: switched out since it moved in."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pid in cgroup.pids() and process_state(pid) == "S":
+            time.sleep(0.2)
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{pid} did not block in {cgroup.path}")
+
+
+def held_for_go(argv: Sequence[str]) -> list[str]:
+    """argv behind a shell that first reads a line from stdin: spawned with
+    stdin=PIPE, the process starts up (in its cgroup) and runs argv at the go."""
+    return ["/bin/sh", "-c", 'read go; exec "$@"', "sh", *argv]
+
+
 def wait_zombie(pid: int, timeout: float) -> None:
     """Wait until our child pid has exited but is not yet reaped.
 

@@ -67,3 +67,70 @@ def test_a_task_without_a_state_field_is_named(tmp_path):
     path.write_bytes(blob([("pid", 8), ("flags", 4)], 3))
     with pytest.raises(btf.BtfError, match="neither __state nor state"):
         btf.task_layout(path)
+
+
+class Types:
+    """A BTF blob built type by type; add() returns the new type's id."""
+
+    def __init__(self) -> None:
+        self.strings, self.types, self.count = b"\0", b"", 0
+
+    def name(self, s: str) -> int:
+        off = len(self.strings)
+        self.strings += s.encode() + b"\0"
+        return off
+
+    def add(self, name: str, kind: int, ref: int, vlen: int = 0, trailer: bytes = b"") -> int:
+        self.types += struct.pack("<III", self.name(name) if name else 0, kind << 24 | vlen, ref) + trailer
+        self.count += 1
+        return self.count
+
+    def struct(self, name: str, members: list[tuple[str, int, int]]) -> int:
+        trailer = b"".join(struct.pack("<III", self.name(m), t, off * 8) for m, t, off in members)
+        return self.add(name, STRUCT, 64, len(members), trailer)
+
+    def blob(self) -> bytes:
+        header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(self.types), len(self.types), len(self.strings))
+        return header + self.types + self.strings
+
+
+VOLATILE, CONST = 9, 10
+
+
+def queue_clock_blob(with_rq: bool) -> bytes:
+    """task_struct -> se.cfs_rq -> rq -> clock, as the kernel nests them, with
+    the typedefs and qualifiers a member's type goes through; without
+    cfs_rq.rq when the kernel lacks CONFIG_FAIR_GROUP_SCHED."""
+    t = Types()
+    u32 = t.add("int", INT, 4, trailer=struct.pack("<I", 32))
+    u64 = t.add("u64", TYPEDEF, t.add("long long unsigned int", INT, 8, trailer=struct.pack("<I", 64)))
+    rq = t.struct("rq", [("nr_running", u32, 0), ("clock", t.add("", VOLATILE, u64), 2776)])
+    rq_ptr = t.add("", PTR, rq)
+    cfs_rq = t.struct("cfs_rq", [("load", u64, 0)] + ([("rq", rq_ptr, 312)] if with_rq else []))
+    cfs_rq_ptr = t.add("", CONST, t.add("", PTR, cfs_rq))
+    se = t.struct("sched_entity", [("load", u64, 0), ("cfs_rq", cfs_rq_ptr, 128)])
+    info = t.struct("sched_info", [("pcount", u64, 0), ("last_queued", u64, 24)])
+    t.struct("task_struct", [("flags", u32, 44), ("se", se, 168), ("sched_info", info, 1024), ("pid", u32, 1264)])
+    ctx = t.add("", PTR, 0)
+    proto = t.add("", FUNC_PROTO, 0, 5, b"".join(struct.pack("<II", 0, ctx) for _ in range(5)))
+    t.add("btf_trace_sched_switch", TYPEDEF, t.add("", PTR, proto))
+    return t.blob()
+
+
+def test_the_enqueue_time_and_the_run_queue_clock_are_found_through_pointers(tmp_path):
+    path = tmp_path / "vmlinux"
+    path.write_bytes(queue_clock_blob(with_rq=True))
+    layout = btf.task_layout(path)
+    assert (layout.pid_offset, layout.flags_offset) == (1264, 44)
+    assert layout.queue_clock == btf.QueueClock(last_queued=1024 + 24, se_cfs_rq=168 + 128, cfs_rq_rq=312,
+                                                rq_clock=2776)
+
+
+def test_a_kernel_without_the_run_queue_pointer_says_so_and_still_attaches(tmp_path, monkeypatch):
+    path = tmp_path / "vmlinux"
+    path.write_bytes(queue_clock_blob(with_rq=False))
+    layout = btf.task_layout(path)
+    assert layout.queue_clock is None and "cfs_rq.rq not found" in layout.queue_clock_missing
+    monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(path))
+    detail = check.attachment("6.1.0-1-amd64").detail
+    assert "raw tracepoints" in detail and "is lost, only counted (cfs_rq.rq not found" in detail
