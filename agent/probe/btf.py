@@ -34,9 +34,9 @@ VMLINUX = Path("/sys/kernel/btf/vmlinux")
 BTF_MAGIC = 0xEB9F
 # kinds (btf.h BTF_KIND_*) and the bytes that follow a type's 12-byte header
 KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 4, 5, 8, 13
-# qualifiers a member's type may wrap its struct or pointer in: typedef,
-# volatile, const, restrict, type_tag
-KIND_QUALIFIERS = (8, 9, 10, 11, 18)
+# what a member's type may wrap its struct or pointer in: typedef, and the
+# qualifiers volatile, const, restrict, type_tag
+KIND_QUALIFIERS = (KIND_TYPEDEF, 9, 10, 11, 18)
 _TRAILER = {1: lambda vlen: 4, 3: lambda vlen: 12, 4: lambda vlen: 12 * vlen, 5: lambda vlen: 12 * vlen,
             6: lambda vlen: 8 * vlen, 13: lambda vlen: 8 * vlen, 14: lambda vlen: 4,
             15: lambda vlen: 12 * vlen, 17: lambda vlen: 4, 19: lambda vlen: 12 * vlen}
@@ -168,7 +168,7 @@ def _struct(btf: _Btf, name: str) -> int:
 
 def _member_offset(btf: _Btf, struct_name: str, member: str) -> int:
     """Byte offset of a member, looking through anonymous structs and unions."""
-    return _member(btf, _struct(btf, struct_name), member, struct_name)[0]
+    return _path(btf, _struct(btf, struct_name), member, struct_name)[0]
 
 
 def _path(btf: _Btf, tid: int, path: str, owner: str) -> tuple[int, int]:

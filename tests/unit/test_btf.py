@@ -14,31 +14,46 @@ from agent.probe import btf
 INT, PTR, STRUCT, TYPEDEF, FUNC_PROTO = 1, 2, 4, 8, 13
 
 
+class Types:
+    """A BTF blob built type by type; add() returns the new type's id."""
+
+    def __init__(self) -> None:
+        self.strings, self.types, self.count = b"\0", b"", 0
+
+    def name(self, s: str) -> int:
+        off = len(self.strings)
+        self.strings += s.encode() + b"\0"
+        return off
+
+    def add(self, name: str, kind: int, ref: int, vlen: int = 0, trailer: bytes = b"") -> int:
+        self.types += struct.pack("<III", self.name(name) if name else 0, kind << 24 | vlen, ref) + trailer
+        self.count += 1
+        return self.count
+
+    def struct(self, name: str, members: list[tuple[str, int, int]]) -> int:
+        trailer = b"".join(struct.pack("<III", self.name(m), t, off * 8) for m, t, off in members)
+        return self.add(name, STRUCT, 64, len(members), trailer)
+
+    def blob(self) -> bytes:
+        header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(self.types), len(self.types), len(self.strings))
+        return header + self.types + self.strings
+
+
+def switch_prototype(t: Types, params: int) -> None:
+    """The sched_switch raw tracepoint prototype: a context pointer and params more."""
+    ctx = t.add("", PTR, 0)
+    proto = t.add("", FUNC_PROTO, 0, params + 1, b"".join(struct.pack("<II", 0, ctx) for _ in range(params + 1)))
+    t.add("btf_trace_sched_switch", TYPEDEF, t.add("", PTR, proto))
+
+
 def blob(task_members: list[tuple[str, int]], switch_params: int) -> bytes:
     """task_struct with (name, byte offset) int members, and a sched_switch
     raw tracepoint prototype taking a context pointer and switch_params more."""
-    strings = b"\0"
-
-    def name(s: str) -> int:
-        nonlocal strings
-        off = len(strings)
-        strings += s.encode() + b"\0"
-        return off
-
-    types = b""
-    # 1: int
-    types += struct.pack("<III", name("int"), INT << 24, 4) + struct.pack("<I", 32)
-    # 2: struct task_struct
-    members = b"".join(struct.pack("<III", name(m), 1, off * 8) for m, off in task_members)
-    types += struct.pack("<III", name("task_struct"), STRUCT << 24 | len(task_members), 4096) + members
-    # 3: void *(ctx), 4: func proto, 5: ptr to it, 6: typedef btf_trace_sched_switch
-    types += struct.pack("<III", 0, PTR << 24, 0)
-    params = b"".join(struct.pack("<II", 0, 3) for _ in range(switch_params + 1))
-    types += struct.pack("<III", 0, FUNC_PROTO << 24 | (switch_params + 1), 0) + params
-    types += struct.pack("<III", 0, PTR << 24, 4)
-    types += struct.pack("<III", name("btf_trace_sched_switch"), TYPEDEF << 24, 5)
-    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings))
-    return header + types + strings
+    t = Types()
+    i32 = t.add("int", INT, 4, trailer=struct.pack("<I", 32))
+    t.struct("task_struct", [(m, i32, off) for m, off in task_members])
+    switch_prototype(t, switch_params)
+    return t.blob()
 
 
 @pytest.mark.parametrize("members, params, state", [
@@ -69,31 +84,6 @@ def test_a_task_without_a_state_field_is_named(tmp_path):
         btf.task_layout(path)
 
 
-class Types:
-    """A BTF blob built type by type; add() returns the new type's id."""
-
-    def __init__(self) -> None:
-        self.strings, self.types, self.count = b"\0", b"", 0
-
-    def name(self, s: str) -> int:
-        off = len(self.strings)
-        self.strings += s.encode() + b"\0"
-        return off
-
-    def add(self, name: str, kind: int, ref: int, vlen: int = 0, trailer: bytes = b"") -> int:
-        self.types += struct.pack("<III", self.name(name) if name else 0, kind << 24 | vlen, ref) + trailer
-        self.count += 1
-        return self.count
-
-    def struct(self, name: str, members: list[tuple[str, int, int]]) -> int:
-        trailer = b"".join(struct.pack("<III", self.name(m), t, off * 8) for m, t, off in members)
-        return self.add(name, STRUCT, 64, len(members), trailer)
-
-    def blob(self) -> bytes:
-        header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(self.types), len(self.types), len(self.strings))
-        return header + self.types + self.strings
-
-
 VOLATILE, CONST = 9, 10
 
 
@@ -111,9 +101,7 @@ def queue_clock_blob(with_rq: bool) -> bytes:
     se = t.struct("sched_entity", [("load", u64, 0), ("cfs_rq", cfs_rq_ptr, 128)])
     info = t.struct("sched_info", [("pcount", u64, 0), ("last_queued", u64, 24)])
     t.struct("task_struct", [("flags", u32, 44), ("se", se, 168), ("sched_info", info, 1024), ("pid", u32, 1264)])
-    ctx = t.add("", PTR, 0)
-    proto = t.add("", FUNC_PROTO, 0, 5, b"".join(struct.pack("<II", 0, ctx) for _ in range(5)))
-    t.add("btf_trace_sched_switch", TYPEDEF, t.add("", PTR, proto))
+    switch_prototype(t, 4)
     return t.blob()
 
 
