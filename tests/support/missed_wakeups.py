@@ -37,6 +37,9 @@ MATCH_NS = 20_000_000
 # (µs on the host, hundreds of µs under the emulator); one the load balancer
 # moved starts at the move (docs/accuracy.md).
 START_SLACK_NS = 20_000
+# The agent's and tracefs's stamps of one event: the probes run one after
+# the other on the tracepoint (docs/accuracy.md: median 0.4-1.6 µs).
+STAMP_ERROR_NS = 2_000
 
 
 def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
@@ -122,34 +125,59 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
         io_counters = snap.cgroups.get(io_cg.id)
         out["io"] = {"reference": len(io_ref.iowait_ns), "reference_ns": sum(io_ref.iowait_ns),
                      "agent": len(iowaits), "agent_ns": sum(e.end_ns - e.start_ns for e in iowaits),
-                     "recovered": io_counters.recovered_wakeup if io_counters else 0}
+                     "recovered": io_counters.recovered_wakeup if io_counters else 0,
+                     **compare_iowaits(io_ref, iowaits)}
     return out
 
 
-def pair_in_order(spans: list, events: list) -> tuple[list, list]:
+def compare_iowaits(ref, iowaits: list) -> dict:
+    """The agent's I/O waits paired with the reference's by their start (the
+    D-state switch-out, stamped alike by both). One that a recovered wake-up
+    ended may end late: at the wait the kernel's clock gave, which is never
+    after the task's switch-in. `late` counts those ending more than
+    START_SLACK_NS after the reference's wake-up, `past_switch_in` those
+    ending after the switch-in that followed it; the totals are of the pairs
+    that are not late."""
+    switch_in = {(s.tid, s.start_ns): s.end_ns for s in ref.spans}
+    pairs, missing = pair_in_order(ref.iowait_spans, iowaits, at="start_ns")
+    late = past = ontime = 0
+    ontime_ref = ontime_agent = 0
+    for span, e in pairs:
+        if e.end_ns - span.end_ns > START_SLACK_NS:
+            late += 1
+            past += e.end_ns > switch_in.get((span.tid, span.end_ns), span.end_ns) + START_SLACK_NS
+        else:
+            ontime += 1
+            ontime_ref += span.end_ns - span.start_ns
+            ontime_agent += e.end_ns - e.start_ns
+    return {"unmatched": len(missing), "late": late, "past_switch_in": past, "ontime": ontime,
+            "ontime_reference_ns": ontime_ref, "ontime_agent_ns": ontime_agent}
+
+
+def pair_in_order(spans: list, events: list, at: str = "end_ns") -> tuple[list, list]:
     """(reference span, agent event) pairs of the same wait, and the
-    reference spans left without one. Per task, both in order of their
-    switch-in: a pair is within MATCH_NS and neither has a nearer neighbour
-    of the other's."""
+    reference spans left without one. Per task, both in order of the stamp
+    `at` (the switch-in, by default): a pair is within MATCH_NS and neither
+    has a nearer neighbour of the other's."""
     pairs, missing = [], []
     for tid in {s.tid for s in spans}:
-        ref = sorted((s for s in spans if s.tid == tid), key=lambda s: s.end_ns)
-        agent = sorted((e for e in events if e.tid == tid), key=lambda e: e.end_ns)
+        ref = sorted((s for s in spans if s.tid == tid), key=lambda s: getattr(s, at))
+        agent = sorted((e for e in events if e.tid == tid), key=lambda e: getattr(e, at))
         i = j = 0
         while i < len(ref):
             if j == len(agent):
                 missing += ref[i:]
                 break
-            d = abs(agent[j].end_ns - ref[i].end_ns)
+            d = abs(getattr(agent[j], at) - getattr(ref[i], at))
             if d > MATCH_NS:
-                if agent[j].end_ns < ref[i].end_ns:
+                if getattr(agent[j], at) < getattr(ref[i], at):
                     j += 1
                 else:
                     missing.append(ref[i])
                     i += 1
-            elif j + 1 < len(agent) and abs(agent[j + 1].end_ns - ref[i].end_ns) < d:
+            elif j + 1 < len(agent) and abs(getattr(agent[j + 1], at) - getattr(ref[i], at)) < d:
                 j += 1
-            elif i + 1 < len(ref) and abs(agent[j].end_ns - ref[i + 1].end_ns) < d:
+            elif i + 1 < len(ref) and abs(getattr(agent[j], at) - getattr(ref[i + 1], at)) < d:
                 missing.append(ref[i])
                 i += 1
             else:
@@ -167,7 +195,10 @@ def summary(doc: dict) -> str:
             f"{doc['matched_agent_ns'] / 1e6:.1f} ms; untraced wake-ups {doc['untraced_wakeup']}, recovered "
             f"{doc['recovered_wakeup']}; start error median {(doc['start_error_median_ns'] or 0) / 1e3:.1f} µs, "
             f"{doc['late']} beyond {START_SLACK_NS / 1e3:.0f} µs; "
-            + (f"I/O waits reference {io['reference']} agent {io['agent']}" if io else "no block device for I/O"))
+            + (f"I/O waits reference {io['reference']} agent {io['agent']}, {io['late']} ending late "
+               f"({io['recovered']} recovered), {io['past_switch_in']} after the switch-in; on time "
+               f"{io['ontime_reference_ns'] / 1e6:.1f} vs {io['ontime_agent_ns'] / 1e6:.1f} ms"
+               if io else "no block device for I/O"))
 
 
 def judge(doc: dict, where: str, emulated: bool) -> None:
@@ -205,5 +236,18 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
         assert io["reference"] > 20, f"{where}: {io}"
         assert io["recovered"] > io["reference"] / doc["skip"] / 2, f"{where}: {io}"
         assert abs(io["agent"] - io["reference"]) <= 0.02 * io["reference"], f"{where}: {io}"
-        slack_ns = 0.02 * io["reference_ns"] + io["recovered"] * START_SLACK_NS
-        assert abs(io["agent_ns"] - io["reference_ns"]) <= slack_ns, f"{where}: {io}"
+        assert io["unmatched"] <= 0.01 * io["reference"] + 2, f"{where}: {io}"
+        # Only a wait a recovered wake-up ended may end late, and never after
+        # the switch-in: where the wake-up made the CPU reschedule at once,
+        # the kernel's clock was not read again, the recovered run-queue wait
+        # reads short (above), and its start, the I/O wait's end, late.
+        # (A guest's clock stall may make any wait's end late.)
+        stalls = 0.01 * io["reference"] if emulated else 0
+        assert io["late"] <= io["recovered"] + stalls, f"{where}: {io}"
+        assert io["past_switch_in"] <= 0.01 * io["reference"], f"{where}: {io}"
+        # The rest agree to the stamps' error: an I/O wait here lasts some
+        # 25 µs, and the agent's and tracefs's stamps of one event differ by
+        # about a µs (the other probe on the tracepoint runs in between).
+        on_ref, on_agent = io["ontime_reference_ns"], io["ontime_agent_ns"]
+        stamps = io["ontime"] * STAMP_ERROR_NS
+        assert on_ref * low - stamps <= on_agent <= on_ref * high + stamps, f"{where}: {io}"

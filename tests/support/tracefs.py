@@ -600,6 +600,9 @@ class Reference:
     # the holder is the task switched out when the victim got the CPU (0: idle)
     wakeup_waits: list[Preemption] = field(default_factory=list)
     iowait_ns: list[int] = field(default_factory=list)
+    # the same I/O waits with where they were: start is the D-state
+    # switch-out, end the wakeup (cpu: the wakeup's, wake_cpu: the switch-out's)
+    iowait_spans: list[WaitSpan] = field(default_factory=list)
     migrations: int = 0
     untraced_switch_in: int = 0    # switch-out of a task still marked runnable
     untraced_switch_out: int = 0   # switch-in of a task already marked running
@@ -685,6 +688,7 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
             return
         if t.state == BLOCKED and followed(pid):
             ref.iowait_ns.append(now - t.ts)
+            ref.iowait_spans.append(WaitSpan(pid, t.ts, now, t.cpu, cpu, 0))
         t.state = RUNNABLE
         t.ts = now
         t.cpu = cpu
