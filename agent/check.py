@@ -38,17 +38,30 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
     return checks
 
 
+# What each attach mode adds per context switch on a switch-dense workload
+# (a pinned `perf bench sched pipe`), all measured side by side in one run:
+# BENCHMARKS.md, "Attach modes and the floor". The order is the agent's
+# preference.
+MODE_COST_NS = {"btf": 406, "raw": 449, "classic": 584}
+
+
+def _cost(mode: str) -> str:
+    best = min(MODE_COST_NS.values())
+    return (f"~{MODE_COST_NS[mode]} ns per context switch on a switch-dense workload, "
+            f"{MODE_COST_NS[mode] / best:.2f}x the cheapest mode's (BENCHMARKS.md)")
+
+
 def attachment(release: str | None = None) -> Check:
-    """Which tracepoints the programs will attach to on this kernel, and why.
-    Classic ones work anywhere, so this never fails; it says what choosing
-    them costs where raw ones cannot be had."""
+    """Which tracepoints the programs will attach to on this kernel, why, and
+    what that costs against the cheapest mode. Classic ones work anywhere, so
+    this never fails."""
     release = release or os.uname().release
     try:
         layout = task_layout()
     except BtfError as e:
         return Check("attachment", True, f"kernel {release}: classic tracepoints, because raw ones are not usable "
-                     f"({e}); each context switch then costs more, the kernel filling the tracepoint's record "
-                     "before the program runs (~15% more than raw on a switch-dense workload, BENCHMARKS.md)")
+                     f"({e}): {_cost('classic')}, the kernel filling each tracepoint's record before the "
+                     "program runs")
     where = (f"sched_switch passes no prev_state (kernels before 5.18), so it is read from "
              f"task_struct.{layout.state_field} at byte {layout.state_offset}"
              if layout.state_offset is not None else "sched_switch passes prev_state")
@@ -57,6 +70,13 @@ def attachment(release: str | None = None) -> Check:
                 if layout.queue_clock is not None else
                 f"a wait after a wake-up the kernel kept from the programs is lost, only counted "
                 f"({layout.queue_clock_missing})")
-    return Check("attachment", True, f"kernel {release}: raw tracepoints (the cheaper mode; --attach-mode classic "
-                 f"also works here): {where}; task_struct.pid at byte {layout.pid_offset} and .flags at "
-                 f"{layout.flags_offset}, from the kernel's BTF; {recovery}")
+    details = (f"{where}; task_struct.pid at byte {layout.pid_offset} and .flags at {layout.flags_offset}, from "
+               f"the kernel's BTF; {recovery}")
+    if not layout.btf_trace_ids:
+        return Check("attachment", True, f"kernel {release}: raw tracepoints, because BTF-typed ones are not "
+                     f"usable ({layout.btf_tracing_missing}): {_cost('raw')}; --attach-mode classic also works "
+                     f"here; {details}")
+    return Check("attachment", True, f"kernel {release}: btf tracepoints (BTF-typed, each task's state in "
+                 f"task-local storage): {_cost('btf')}; raw ({MODE_COST_NS['raw'] / MODE_COST_NS['btf']:.2f}x) and "
+                 f"classic ({MODE_COST_NS['classic'] / MODE_COST_NS['btf']:.2f}x) also work here (--attach-mode), "
+                 f"and the agent takes raw ones, saying why, if the kernel refuses the BTF-typed programs; {details}")

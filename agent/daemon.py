@@ -209,7 +209,10 @@ class Daemon:
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
             raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
                                "to see which prerequisite is missing") from None
-        log.info("BPF programs attached to %s tracepoints in %.2f s", mode, time.monotonic() - t0)
+        if self._probe.btf_refused:
+            log.warning("the kernel refused the BTF-typed programs (%s); raw tracepoints instead",
+                        self._probe.btf_refused)
+        log.info("BPF programs attached to %s tracepoints in %.2f s", self._probe.mode, time.monotonic() - t0)
         self._bpf_stats.start()
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()
@@ -219,7 +222,7 @@ class Daemon:
         self.subscribers.subscribe("services", self._resolver.set_rules)
         self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
                                                features.cgroup2)
-        if self._probe.mode == "raw":
+        if self._probe.mode != "classic":
             log.info("kernel threads counted as service 'kernel' (recognised in the kernel)")
         else:
             marked = self._probe.mark_kernel_threads(kernel_thread_tids())

@@ -71,23 +71,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# The floor (bench/floor.py) on the raw tracepoints, as slatrace's probe here.
-FLOOR = floor.source("raw")
-
-
 class Toggled:
     """A loaded BPF object whose tracepoints can be attached and detached in
-    turn: raw ones, or classic ones (BCC names their programs
-    tracepoint__<category>__<event>)."""
+    turn: BTF-typed ones (`tracing`, agent/probe/tracing.py), raw ones, or
+    classic ones (BCC names their programs tracepoint__<category>__<event>)."""
 
-    def __init__(self, bpf) -> None:
+    def __init__(self, bpf, tracing=None) -> None:
         self.bpf = bpf
+        self.tracing = tracing
         self.raw = list(bpf.raw_tracepoint_fds)
         self.classic = list(bpf.tracepoint_fds)
-        if not self.raw and not self.classic:
+        if not self.raw and not self.classic and tracing is None:
             raise RuntimeError("bench.toggle: a probe attached no tracepoint: nothing to toggle")
 
+    def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.close()
+        self.bpf.cleanup()
+
     def set(self, on: bool) -> None:
+        if self.tracing is not None:
+            if on:
+                self.tracing.attach()
+            else:
+                self.tracing.detach()
         for tp in self.raw:
             if on:
                 self.bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
@@ -101,32 +108,52 @@ class Toggled:
 
 
 def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
-    """Every probe of the cycle, compiled and detached: slatrace's on raw
-    tracepoints, then from each directory of `also` ("slatrace@<directory>"),
-    slatrace's on classic tracepoints ("slatrace-classic"), the empty floor
-    ("floor") and runqlat-bpfcc's program ("runqlat")."""
+    """Every probe of the cycle, compiled and detached: slatrace's in the mode
+    the agent takes here ("slatrace"; BTF-typed tracepoints where the kernel
+    has them), then from each directory of `also` ("slatrace@<directory>"),
+    slatrace's on raw tracepoints ("slatrace-raw", where the agent's mode is
+    BTF-typed) and on classic ones ("slatrace-classic"), the empty floor in
+    the agent's mode ("floor"; "floor-raw" beside it where that is BTF-typed)
+    and runqlat-bpfcc's program ("runqlat")."""
     # Imported here: python3-bpfcc is needed only where probes are loaded.
     from bcc import BPF
 
     from agent.probe import features, loader
+    from agent.probe.tracing import TracingPrograms
     feat = features.detect()
     if not feat.task_layout:
         raise RuntimeError("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
-                         "raw tracepoints; nothing to compare here")
+                           "raw tracepoints; nothing to compare here")
+    mode = loader.attach_mode(feat, "auto")
+    trace_ids = dict(feat.task_layout.btf_trace_ids)
     text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
-    flags = loader.cflags(feat, loader.MapSizes(), "raw")
     src = str(loader.bpf_source_dir() / "sched.bpf.c").encode()
-    objs = {"slatrace": BPF(src_file=src, cflags=flags)}
+
+    def probe(m: str, bpf_dir: Path | None = None) -> Toggled:
+        flags = loader.cflags(feat, loader.MapSizes(), m)
+        if bpf_dir is None:
+            b = BPF(src_file=src, cflags=flags)
+        else:
+            # The include path first, so its own sched.h is the one found.
+            b = BPF(src_file=str(bpf_dir / "sched.bpf.c").encode(), cflags=[f"-I{bpf_dir}", *flags])
+        return Toggled(b, TracingPrograms(b, trace_ids) if m == "btf" else None)
+
+    def empty(m: str) -> Toggled:
+        b = BPF(text=floor.source(m))
+        return Toggled(b, TracingPrograms(b, trace_ids) if m == "btf" else None)
+
+    out = {"slatrace": probe(mode)}
     for d in also:
-        # The include path first, so its own sched.h is the one found.
-        objs[f"slatrace@{d}"] = BPF(src_file=str(d / "sched.bpf.c").encode(), cflags=[f"-I{d}", *flags])
-    objs["slatrace-classic"] = BPF(src_file=src, cflags=loader.cflags(feat, loader.MapSizes(), "classic"))
-    objs["floor"] = BPF(text=FLOOR)
-    objs["runqlat"] = BPF(text=text)
-    out = {}
-    for name, b in objs.items():
-        out[name] = Toggled(b)
-        out[name].set(False)
+        out[f"slatrace@{d}"] = probe(mode, d)
+    if mode == "btf":
+        out["slatrace-raw"] = probe("raw")
+    out["slatrace-classic"] = probe("classic")
+    out["floor"] = empty(mode)
+    if mode == "btf":
+        out["floor-raw"] = empty("raw")
+    out["runqlat"] = Toggled(BPF(text=text))
+    for t in out.values():
+        t.set(False)
     return out
 
 
@@ -248,7 +275,7 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
             return {name: measure(probes, name, seconds, window, cpu, progress) for name in names}
         finally:
             for probe in probes.values():
-                probe.bpf.cleanup()
+                probe.close()
     finally:
         os.sched_setaffinity(0, affinity)
 
@@ -256,7 +283,7 @@ def run(names: list[str], seconds: float, window: float, cpu: int,
 def describe(name: str, m: dict[str, Any]) -> str:
     lines = [f"{name}: `{m['command']}`; {m['window_s'] * 1e3:.0f} ms windows over {m['seconds']:.0f} s; "
              f"no tool: {m['off_ns_per_switch']:.0f} ns a switch"]
-    tools = [t for t in m if t.startswith("slatrace")] + ["floor", "runqlat"]
+    tools = [t for t in m if t.startswith(("slatrace", "floor"))] + ["runqlat"]
     for tool in tools:
         t = m[tool]
         lines.append(f"  {tool:16s} {t['windows']} windows: added {t['mean_ns']:.0f} ns per switch "

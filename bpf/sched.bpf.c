@@ -8,6 +8,7 @@
  * programs stay correct when compiled against another kernel's headers.
  *
  * Compile-time options (-D, built and validated by agent/probe/features.py):
+ *   TP_BTF        (with RAW_TP) BTF-typed tracepoints and task-local storage
  *   RAW_TP        raw tracepoints, with TASK_PID_OFF and TASK_FLAGS_OFF, the
  *                 offsets of task_struct.pid and .flags, and TASK_STATE_OFF
  *                 (that of its state) where sched_switch passes no prev_state
@@ -27,10 +28,17 @@
  */
 #include "sched.h"
 
-/* Per-task state machine (task_key_t: the task's address on raw tracepoints,
- * its tid on classic ones). LRU so that exits we miss and address or PID
- * reuse can never fill it. */
+/* Per-task state machine. On BTF-typed tracepoints it lives in the task
+ * itself (task-local storage, 5.11+): found from the task pointer in a few
+ * loads, freed with the task, never full. Elsewhere a map keyed by
+ * task_key_t (the task's address on raw tracepoints, its tid on classic
+ * ones), LRU so that exits we miss and address or PID reuse can never fill
+ * it. */
+#ifdef TP_BTF
+BPF_TASK_STORAGE(tasks, struct task_info);
+#else
 BPF_TABLE("lru_hash", task_key_t, struct task_info, tasks, MAX_TASKS);
+#endif
 /* Counting maps, drained every interval (see sched.h). Shared between CPUs and
  * bumped with atomic adds: per-CPU values would multiply their memory by the
  * number of possible CPUs (64 x 16 bytes per histogram slot), which a node
@@ -65,6 +73,39 @@ static __always_inline void count_error(u32 which)
     u64 *e = errors.lookup(&which);
     if (e)
         (*e)++;
+}
+
+/* The task's state, NULL if it has none yet. */
+static __always_inline struct task_info *task_get(task_key_t task)
+{
+#ifdef TP_BTF
+    return tasks.task_storage_get((struct task_struct *)task, 0, 0);
+#else
+    return tasks.lookup(&task);
+#endif
+}
+
+/* Gives the task this state; false when there is no room for it. */
+static __always_inline bool task_put(task_key_t task, struct task_info *init)
+{
+#ifdef TP_BTF
+    struct task_info *t = tasks.task_storage_get((struct task_struct *)task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!t)
+        return false;
+    *t = *init;
+    return true;
+#else
+    return tasks.update(&task, init) == 0;
+#endif
+}
+
+static __always_inline void task_drop(task_key_t task)
+{
+#ifdef TP_BTF
+    tasks.task_storage_delete((struct task_struct *)task);
+#else
+    tasks.delete(&task);
+#endif
 }
 
 /* The control word. An array lookup with a constant key: the verifier inlines
@@ -340,7 +381,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     u64 next_cgid = 0;
 
     /* The current task is prev: the one that held the CPU until now. */
-    struct task_info *p = prev ? tasks.lookup(&prev) : NULL;
+    struct task_info *p = prev ? task_get(prev) : NULL;
     u64 cgid = 0;
     u32 flags = 0;
     if (prev) {
@@ -350,7 +391,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
 
     /* Switch-in: the run-queue wait ends. */
     if (next) {
-        struct task_info *n = tasks.lookup(&next);
+        struct task_info *n = task_get(next);
         if (n) {
             next_cgid = n->cgid;
             u32 st = n->state;
@@ -396,7 +437,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     }
     struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state,
                              .flags = flags};
-    if (tasks.update(&prev, &init))
+    if (!task_put(prev, &init))
         count_error(ERR_TASK);
     return 0;
 }
@@ -407,7 +448,7 @@ static __always_inline int on_wakeup(task_key_t task)
     if (bpf_get_prandom_u32() % SKIP_WAKEUPS == 0)
         return 0;
 #endif
-    struct task_info *t = tasks.lookup(&task);
+    struct task_info *t = task_get(task);
     if (!t)
         return 0; /* never seen on a CPU: its cgroup is unknown */
     u32 st = t->state;
@@ -425,7 +466,7 @@ static __always_inline int on_wakeup(task_key_t task)
 
 static __always_inline int on_migrate(task_key_t task)
 {
-    struct task_info *t = tasks.lookup(&task);
+    struct task_info *t = task_get(task);
     if (t) {
         struct ctl c = read_ctl();
         cgroup_add(t->cgid, c.gen, CG_INDEX(migrations), 0);
@@ -446,7 +487,7 @@ static __always_inline int on_fork(u32 parent, task_key_t child)
     } else {
         init.cgid = bpf_get_current_cgroup_id();
     }
-    if (tasks.update(&child, &init))
+    if (!task_put(child, &init))
         count_error(ERR_TASK);
     return 0;
 }
@@ -460,6 +501,16 @@ static __always_inline int on_fork(u32 parent, task_key_t child)
 #define RAW_TASK_UNINTERRUPTIBLE 0x2
 #define RAW_TASK_DEAD 0x80
 #define RAW_TASK_NOLOAD 0x400           /* with UNINTERRUPTIBLE: TASK_IDLE, reported "I", not "D" */
+
+/* BTF-typed tracepoints (TP_BTF) take the same arguments as raw ones, but
+ * the verifier knows them as task pointers, which task-local storage needs.
+ * BCC cannot load these: agent/probe/tracing.py loads the tp_btf__ programs
+ * it compiled. */
+#ifdef TP_BTF
+#define SCHED_PROBE(event) int tp_btf__##event(struct bpf_raw_tracepoint_args *ctx)
+#else
+#define SCHED_PROBE(event) RAW_TRACEPOINT_PROBE(event)
+#endif
 
 /* prev's raw state: the tracepoint's fourth argument from 5.18
  * (sched_switch(bool preempt, prev, next, unsigned int prev_state)); before,
@@ -478,7 +529,7 @@ static __always_inline u32 switch_prev_state(struct bpf_raw_tracepoint_args *ctx
 #endif
 }
 
-RAW_TRACEPOINT_PROBE(sched_switch)
+SCHED_PROBE(sched_switch)
 {
     bool preempt = ctx->args[0];
     u32 state = switch_prev_state(ctx);
@@ -494,34 +545,37 @@ RAW_TRACEPOINT_PROBE(sched_switch)
     else
         st = TS_SLEEPING;
     /* prev is the current task; its pid from a helper says whether it is idle. */
+#ifdef TP_BTF
+    task_key_t prev = (u32)bpf_get_current_pid_tgid() ? ctx->args[1] : 0;
+#else
     task_key_t prev = (u32)bpf_get_current_pid_tgid() ? bpf_get_current_task() : 0;
+#endif
     return on_switch(prev, ctx->args[2], st);
 }
 
-RAW_TRACEPOINT_PROBE(sched_wakeup)
+SCHED_PROBE(sched_wakeup)
 {
     return on_wakeup(ctx->args[0]);
 }
 
-RAW_TRACEPOINT_PROBE(sched_wakeup_new)
+SCHED_PROBE(sched_wakeup_new)
 {
     return on_wakeup(ctx->args[0]);
 }
 
-RAW_TRACEPOINT_PROBE(sched_migrate_task)
+SCHED_PROBE(sched_migrate_task)
 {
     return on_migrate(ctx->args[0]);
 }
 
-RAW_TRACEPOINT_PROBE(sched_process_fork)
+SCHED_PROBE(sched_process_fork)
 {
     return on_fork(task_pid(ctx->args[0]), ctx->args[1]);
 }
 
-RAW_TRACEPOINT_PROBE(sched_process_exit)
+SCHED_PROBE(sched_process_exit)
 {
-    task_key_t task = ctx->args[0];
-    tasks.delete(&task);
+    task_drop(ctx->args[0]);
     return 0;
 }
 
@@ -570,8 +624,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
 
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
-    task_key_t pid = args->pid;
-    tasks.delete(&pid);
+    task_drop(args->pid);
     return 0;
 }
 #endif

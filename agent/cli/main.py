@@ -18,6 +18,7 @@ from agent import __version__
 from agent.cli.client import add_credential_flags, credentials_from, use_credentials
 from agent.cli.errors import CliError
 from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
+from agent.probe.features import ATTACH_MODES
 from agent.errors import SlatraceError
 
 DEFAULT_AGENT = "http://127.0.0.1:9477"
@@ -49,10 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--bpf-stats", default="sampled", choices=["sampled", "always", "off"],
                      help="per-program cost counters through BPF_ENABLE_STATS: 1 s a minute (default), "
                           "the whole run, or never; the host's kernel.bpf_stats_enabled is never written")
-    run.add_argument("--attach-mode", choices=["auto", "raw", "classic"], default=None,
-                     help="tracepoints the BPF programs attach to: raw (cheaper per event; needs the kernel's BTF), "
-                          "classic, or auto: raw where the kernel allows it (default: the config's attach_mode, "
-                          "else auto)")
+    run.add_argument("--attach-mode", choices=list(ATTACH_MODES), default=None,
+                     help="tracepoints the BPF programs attach to: btf (BTF-typed, with task-local storage: the "
+                          "cheapest; 5.11+), raw (needs the kernel's BTF), classic, or auto: the cheapest the "
+                          "kernel allows (default: the config's attach_mode, else auto)")
     run.add_argument("--otlp-relay", action="append", metavar="KEY=VALUE[,...]",
                      help="a sender trusted to relay spans (an OpenTelemetry Collector): its spans' service comes "
                           "from the resource attributes it vouches for; keys service, cgroup (globs), pid, "

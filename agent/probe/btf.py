@@ -78,6 +78,12 @@ class TaskLayout:
     # then says which.
     queue_clock: QueueClock | None = None
     queue_clock_missing: str = ""
+    # BTF-typed tracepoints with task-local storage (agent/probe/tracing.py):
+    # the BTF type id of each tracepoint's btf_trace_<name> typedef, empty
+    # when the kernel lacks one or task-local storage; btf_tracing_missing
+    # then says which.
+    btf_trace_ids: tuple[tuple[str, int], ...] = ()
+    btf_tracing_missing: str = ""
 
 
 class _Btf:
@@ -215,6 +221,26 @@ def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
     return vlen - 1 if kind == KIND_FUNC_PROTO else None
 
 
+# The tracepoints the programs attach to (bpf/sched.bpf.c).
+TRACEPOINTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task", "sched_process_fork",
+               "sched_process_exit")
+
+
+def _btf_tracing(btf: _Btf) -> dict:
+    """What BTF-typed tracepoints need: each tracepoint's type, and task-local
+    storage (the map type, 5.11+; whether tracing programs may use it is the
+    verifier's to say when they load)."""
+    if btf.name_offset("BPF_MAP_TYPE_TASK_STORAGE") is None:
+        return {"btf_tracing_missing": "the kernel has no task-local storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11+)"}
+    ids = []
+    for name in TRACEPOINTS:
+        tid = btf.find(KIND_TYPEDEF, f"btf_trace_{name}")
+        if tid is None:
+            return {"btf_tracing_missing": f"the kernel's BTF has no btf_trace_{name}"}
+        ids.append((name, tid))
+    return {"btf_trace_ids": tuple(ids)}
+
+
 def task_layout(path: Path = VMLINUX) -> TaskLayout:
     """The task_struct offsets, when the raw-tracepoint path can run here.
 
@@ -234,6 +260,7 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
         clock = {"queue_clock": _queue_clock(btf)}
     except BtfError as e:
         clock = {"queue_clock_missing": str(e)}
+    clock.update(_btf_tracing(btf))
     if switch_args >= 4:
         return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.

@@ -15,22 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.errors import SlatraceError
-from agent.probe.btf import BtfError, TaskLayout, task_layout
+from agent.probe.btf import TRACEPOINTS, BtfError, TaskLayout, task_layout
 from agent.probe.mounts import find_cgroup2_mount
 
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
-TRACEPOINTS = (
-    "sched_switch",
-    "sched_wakeup",
-    "sched_wakeup_new",
-    "sched_migrate_task",
-    "sched_process_fork",
-    "sched_process_exit",
-)
 
-# Which tracepoints the programs attach to: "raw" where the kernel's BTF gives
-# task_struct's layout (cheaper per event), "classic" anywhere; "auto" picks.
-ATTACH_MODES = ("auto", "raw", "classic")
+# Which tracepoints the programs attach to: "btf" (BTF-typed tracepoints with
+# task-local storage, 5.11+) where the kernel has them, else "raw" where the
+# kernel's BTF gives task_struct's layout, "classic" anywhere; cheapest per
+# event first. "auto" picks.
+ATTACH_MODES = ("auto", "btf", "raw", "classic")
 
 # Capability bits (linux/capability.h)
 CAP_DAC_OVERRIDE = 1

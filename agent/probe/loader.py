@@ -18,6 +18,7 @@ from pathlib import Path
 
 import agent
 from agent.probe.features import ATTACH_MODES, Features
+from agent.probe.tracing import TracingPrograms
 import numpy as np
 
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
@@ -64,11 +65,16 @@ def attach_mode(features: Features, wanted: str = "auto") -> str:
     """The attachment to use, or ValueError saying why the wanted one cannot be."""
     if wanted not in ATTACH_MODES:
         raise ValueError(f"the attach mode must be one of {', '.join(ATTACH_MODES)}, got {wanted!r}")
-    if wanted == "classic" or (wanted == "auto" and features.task_layout is None):
+    layout = features.task_layout
+    if wanted == "classic" or (wanted == "auto" and layout is None):
         return "classic"
-    if features.task_layout is None:
-        raise ValueError(f"raw tracepoints are not usable on this kernel: {features.raw_unavailable}")
-    return "raw"
+    if layout is None:
+        raise ValueError(f"{wanted} tracepoints are not usable on this kernel: {features.raw_unavailable}")
+    if wanted == "raw" or (wanted == "auto" and not layout.btf_trace_ids):
+        return "raw"
+    if not layout.btf_trace_ids:
+        raise ValueError(f"BTF-typed tracepoints are not usable on this kernel: {layout.btf_tracing_missing}")
+    return "btf"
 
 
 def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wakeups: int = 0) -> list[str]:
@@ -93,8 +99,10 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
                     ("BLAME_CACHE", sizes.blame_cache)):
         if n < 1 or n & (n - 1):
             raise ValueError(f"{name}={n} must be a power of two")
-    if mode == "raw":
+    if mode in ("raw", "btf"):
         values["RAW_TP"] = 1
+        if mode == "btf":
+            values["TP_BTF"] = 1
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
         values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
         if features.task_layout.state_offset is not None:
@@ -144,7 +152,10 @@ class Probe:
         self._events: list[SchedEvent] = []
         self._ring_open = False
         self._ctl = Ctl(gen=0, watch_on=0)
-        self.mode = "classic"  # set by load(): "raw" or "classic" tracepoints
+        self.mode = "classic"  # set by load(): "btf", "raw" or "classic" tracepoints
+        # Why "auto" fell back from "btf" to "raw" on this kernel, if it did.
+        self.btf_refused = ""
+        self._tracing = None   # the BTF-typed programs (agent/probe/tracing.py), in "btf" mode
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
         # Whether the kernel has batch operations on per-CPU arrays (5.13 on);
         # None until the first drain asks.
@@ -153,12 +164,30 @@ class Probe:
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
              skip_wakeups: int = 0) -> "Probe":
-        """Compile and attach. tracepoints: "auto" (raw where possible), "raw"
-        or "classic"; ValueError when "raw" cannot be used here. skip_wakeups:
-        see cflags()."""
+        """Compile and attach. tracepoints: "auto" (the cheapest this kernel
+        has), "btf", "raw" or "classic"; ValueError when the one asked for
+        cannot be used here. Where the kernel refuses the BTF-typed programs
+        (a kernel between 5.11 and the one that let tracing programs use
+        task-local storage), "auto" takes raw tracepoints and says why in
+        btf_refused. skip_wakeups: see cflags()."""
+        mode = attach_mode(features, tracepoints)
+        if mode != "btf":
+            return cls._load(features, sizes, mode, skip_wakeups)
+        try:
+            return cls._load(features, sizes, mode, skip_wakeups)
+        except MapMemoryError:
+            raise
+        except Exception as e:  # BCC raises a bare Exception when the kernel refuses a map
+            if tracepoints != "auto":
+                raise
+            probe = cls._load(features, sizes, "raw", skip_wakeups)
+            probe.btf_refused = str(e).strip() or type(e).__name__
+            return probe
+
+    @classmethod
+    def _load(cls, features: Features, sizes: MapSizes, mode: str, skip_wakeups: int) -> "Probe":
         from bcc import BPF  # noqa: PLC0415  (bcc only where BPF is loaded)
 
-        mode = attach_mode(features, tracepoints)
         src = bpf_source_dir() / "sched.bpf.c"
         try:
             bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode, skip_wakeups))
@@ -171,6 +200,13 @@ class Probe:
         ncpu = len(bpf[b"errors"].getvalue(0))
         probe = cls(bpf, ncpu)
         probe.mode = mode
+        if mode == "btf":
+            try:
+                probe._tracing = TracingPrograms(bpf, dict(features.task_layout.btf_trace_ids))
+                probe._tracing.attach()
+            except BaseException:
+                probe.close()
+                raise
         return probe
 
     @property
@@ -178,6 +214,9 @@ class Probe:
         return self._bpf
 
     def close(self) -> None:
+        if self._tracing is not None:
+            self._tracing.close()
+            self._tracing = None
         if self._bpf is not None:
             self._bpf.cleanup()
             self._bpf = None
@@ -188,6 +227,8 @@ class Probe:
         for name, fn in self._bpf.funcs.items():
             short = name.decode().rsplit("__", 1)[-1]
             out[short] = fn.fd
+        if self._tracing is not None:
+            out.update(self._tracing.prog_fds)
         return out
 
     def watch(self, cgids: set[int]) -> None:
@@ -230,7 +271,7 @@ class Probe:
         classic tracepoints. Raw tracepoints key tasks by address, which user
         space cannot name: there the programs read PF_KTHREAD when a task is
         first seen, and nothing is marked here. Returns how many were marked."""
-        if self.mode == "raw":
+        if self.mode != "classic":
             return 0
         table = self._bpf[b"tasks"]
         marked = 0

@@ -22,9 +22,9 @@ def unlimited_probe():
     yield from _load("auto", MapSizes(event_rate=10_000_000))
 
 
-@pytest.fixture(params=["raw", "classic"])
+@pytest.fixture(params=["btf", "raw", "classic"])
 def probe_each_mode(request):
-    """The programs on raw tracepoints, then on classic ones."""
+    """The programs on BTF-typed tracepoints, then raw, then classic ones."""
     yield from _load(request.param)
 
 

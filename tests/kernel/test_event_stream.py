@@ -73,7 +73,7 @@ def test_kernel_threads_are_counted_apart_from_host(probe_each_mode):
     probe = probe_each_mode
     kthreads = kernel_thread_tids()
     assert len(kthreads) > 10
-    assert probe.mark_kernel_threads(kthreads) == (0 if probe.mode == "raw" else len(kthreads))
+    assert probe.mark_kernel_threads(kthreads) == (len(kthreads) if probe.mode == "classic" else 0)
     time.sleep(0.3)  # every marked thread switches out once: its state is known
     with TestCgroup("io") as io:
         with TraceRecorder() as rec:

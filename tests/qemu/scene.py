@@ -53,15 +53,15 @@ def _setup() -> dict:
 
 
 def _offered_modes() -> list[str]:
-    """The attach modes the agent offers on this kernel: raw where the BTF
-    gives what it needs, classic always."""
+    """The attach modes the agent offers on this kernel: BTF-typed where it has
+    task-local storage, raw where the BTF gives what it needs, classic always."""
     from agent.probe.btf import BtfError, task_layout
 
     try:
-        task_layout()
+        layout = task_layout()
     except BtfError:
         return ["classic"]
-    return ["raw", "classic"]
+    return (["btf"] if layout.btf_trace_ids else []) + ["raw", "classic"]
 
 
 def _metric_values(text: str, name: str) -> dict[str, float]:

@@ -142,9 +142,11 @@ def test_kernel_row(matrix: dict[str, dict], name: str) -> None:
     assert doc["setup"]["exit"] == 0, doc["setup"]["log"]
     assert doc["check_after"]["ok"], doc["check_after"]
     attachment = next(c["detail"] for c in doc["check_after"]["checks"] if c["name"] == "attachment")
-    assert doc["kernel"] in attachment and "raw tracepoints" in attachment
-    # Raw tracepoints wherever the kernel has BTF: every kernel here does.
-    assert doc["modes"] == ["raw", "classic"]
+    # BTF-typed tracepoints where the kernel has task-local storage (5.11+),
+    # raw ones wherever it has BTF: every kernel here does.
+    expected = ["raw", "classic"] if name == "5.10" else ["btf", "raw", "classic"]
+    assert doc["kernel"] in attachment and f"{expected[0]} tracepoints" in attachment, attachment
+    assert doc["modes"] == expected
     assert [r["mode"] for r in doc["rows"]] == doc["modes"]
     for row in doc["rows"]:
         judge_mode(name, row)

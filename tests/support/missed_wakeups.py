@@ -56,7 +56,7 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
     except RuntimeError:
         io_dir = None
     cpus = sorted(os.sched_getaffinity(0))
-    probe = Probe.load(f, MapSizes(event_rate=10_000_000), tracepoints="raw", skip_wakeups=skip)
+    probe = Probe.load(f, MapSizes(event_rate=10_000_000), tracepoints="auto", skip_wakeups=skip)
     try:
         with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg, TestCgroup("io") as io_cg:
             for cpu in range(os.cpu_count() or 1):
@@ -102,7 +102,7 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
     extra = [e for e in runq if id(e) not in used]
     errors = sorted(abs(e.start_ns - span.start_ns) for span, e in pairs)
     out = {
-        "cpus": cpus, "skip": skip,
+        "cpus": cpus, "skip": skip, "mode": probe.mode,
         "event_errors": snap.errors["events"] + snap.errors["events_rate_limited"],
         "wakeups": len(ref.wakeup_waits), "reference_gaps": ref.gaps,
         "untraced_wakeup": counters.untraced_wakeup if counters else 0,
@@ -190,7 +190,8 @@ def summary(doc: dict) -> str:
     if "error" in doc:
         return f"recovery: {doc['error']}"
     io = doc["io"]
-    return (f"recovery (1 wake-up in {doc['skip']} skipped): reference {doc['reference_waits']} waits, agent "
+    return (f"recovery ({doc.get('mode')} tracepoints, 1 wake-up in {doc['skip']} skipped): reference "
+            f"{doc['reference_waits']} waits, agent "
             f"{doc['agent_waits']}, unmatched {doc['unmatched']}; matched {doc['matched_reference_ns'] / 1e6:.1f} vs "
             f"{doc['matched_agent_ns'] / 1e6:.1f} ms; untraced wake-ups {doc['untraced_wakeup']}, recovered "
             f"{doc['recovered_wakeup']}; start error median {(doc['start_error_median_ns'] or 0) / 1e3:.1f} µs, "

@@ -1,5 +1,6 @@
 """Kernel-feature parsing on recorded tracefs formats of two kernel generations."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -65,17 +66,31 @@ def test_check_and_the_probe_read_one_prerequisite_list(monkeypatch):
 
 
 def test_check_names_the_attachment_the_agent_will_take(monkeypatch, tmp_path):
-    """Raw tracepoints with the offsets read from this kernel's BTF, or
-    classic ones and why; never a failure, since classic ones work anywhere."""
+    """BTF-typed tracepoints where the kernel has task-local storage, raw ones
+    with the offsets read from this kernel's BTF, or classic ones, each with
+    why and its cost against the cheapest; never a failure, since classic
+    ones work anywhere."""
     from agent import check
     from agent.probe import btf, loader
 
     if btf.VMLINUX.exists():    # this kernel's own BTF, where it has one
-        raw = check.attachment()
+        got = check.attachment()
         layout = btf.task_layout()
-        assert raw.ok and f"pid at byte {layout.pid_offset}" in raw.detail
-        assert f".flags at {layout.flags_offset}" in raw.detail
-        assert loader.attach_mode(features_with(layout)) == "raw"
+        assert got.ok and f"pid at byte {layout.pid_offset}" in got.detail
+        assert f".flags at {layout.flags_offset}" in got.detail
+        mode = loader.attach_mode(features_with(layout))
+        assert mode == ("btf" if layout.btf_trace_ids else "raw")
+        assert f": {mode} tracepoints" in got.detail and "x the cheapest mode's" in got.detail
+        # Without task-local storage (5.10): raw ones, and why.
+        old = dataclasses.replace(layout, btf_trace_ids=(), btf_tracing_missing="no task-local storage")
+        monkeypatch.setattr(check, "task_layout", lambda: old)
+        assert loader.attach_mode(features_with(old)) == "raw"
+        raw = check.attachment().detail
+        assert ": raw tracepoints, because BTF-typed ones are not usable (no task-local storage)" in raw
+        assert f"{check.MODE_COST_NS['raw'] / check.MODE_COST_NS['btf']:.2f}x the cheapest" in raw
+        with pytest.raises(ValueError) as e:
+            loader.attach_mode(features_with(old), "btf")
+        assert str(e.value) == "BTF-typed tracepoints are not usable on this kernel: no task-local storage"
     missing = tmp_path / "vmlinux"
     monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(missing))
     classic = check.attachment()
