@@ -178,7 +178,7 @@ def tracefs_problem(candidates: tuple[Path, ...] = TRACEFS_CANDIDATES,
             "'mount -t tracefs nodev /sys/kernel/tracing' (make setup does this)")
 
 
-def _syscall(name: str, *args) -> int:
+def syscall(name: str, *args) -> int:
     """The syscall's result, or -errno."""
     nr = _SYSCALLS.get(os.uname().machine, {}).get(name)
     if nr is None:
@@ -192,7 +192,7 @@ def _syscall(name: str, *args) -> int:
 def try_bpf_map() -> int:
     """Create (and close) a one-slot BPF array map: 0, or the errno that refused it."""
     attr = (ctypes.c_uint32 * 32)(BPF_MAP_TYPE_ARRAY, 4, 4, 1)  # type, key size, value size, entries
-    fd = _syscall("bpf", ctypes.c_int(BPF_MAP_CREATE), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+    fd = syscall("bpf", ctypes.c_int(BPF_MAP_CREATE), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
     if fd < 0:
         return -fd
     os.close(fd)
@@ -212,7 +212,7 @@ def try_tracepoint_event(tracefs: Path, event: str = "sched/sched_switch") -> in
     attr[0] = PERF_TYPE_TRACEPOINT | (ctypes.sizeof(attr) << 32)  # type, size
     attr[1] = tp_id                                                # config
     attr[5] = 1                                                    # flags: disabled
-    fd = _syscall("perf_event_open", ctypes.byref(attr), ctypes.c_int(-1), ctypes.c_int(0), ctypes.c_int(-1),
+    fd = syscall("perf_event_open", ctypes.byref(attr), ctypes.c_int(-1), ctypes.c_int(0), ctypes.c_int(-1),
                   ctypes.c_ulong(PERF_FLAG_FD_CLOEXEC))
     if fd < 0:
         return -fd

@@ -17,16 +17,15 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import os
-import platform
 
 from agent.errors import SlatraceError
+from agent.probe.features import syscall
 
 # bpf(2) commands, program type and attach type (include/uapi/linux/bpf.h)
 BPF_PROG_LOAD = 5
 BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_PROG_TYPE_TRACING = 26
 BPF_TRACE_RAW_TP = 23
-SYSCALL_BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280}
 PREFIX = b"tp_btf__"
 LOG_SIZE = 1 << 20
 
@@ -51,15 +50,8 @@ class _RawTracepointOpen(ct.Structure):
 
 
 def _bpf(cmd: int, attr: ct.Structure) -> int:
-    number = SYSCALL_BPF.get(platform.machine())
-    if number is None:
-        raise TracingError(f"BTF-typed tracepoints: no bpf(2) system call number known for {platform.machine()}")
-    libc = ct.CDLL(None, use_errno=True)
-    libc.syscall.restype = ct.c_long
-    ret = libc.syscall(ct.c_long(number), ct.c_int(cmd), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
-    if ret < 0:
-        return -ct.get_errno()
-    return ret
+    """The fd bpf(2) returned, or -errno."""
+    return syscall("bpf", ct.c_int(cmd), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
 
 
 class TracingPrograms:
