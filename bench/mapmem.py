@@ -22,6 +22,9 @@ HASH = {"hash", "lru_hash"}
 PERCPU_ARRAY = {"percpu_array"}
 ARRAY = {"array", "perf_event_array", "prog_array"}
 RINGBUF = {"ringbuf"}
+# Task-local storage takes nothing at load: each task's state is allocated
+# with the task (docs/maps.md).
+PER_TASK = {"task_storage"}
 MIB = 1 << 20
 MEMORY_LIMIT_64 = 64 * MIB   # the budget for a 64-CPU node
 
@@ -56,8 +59,11 @@ def map_bytes(m: MapShape, cpus: int) -> int:
     arrays:       entries x round8(value)
     per-CPU array: entries x (8 + round8(value) x CPUs)   (a pointer per entry)
     ring buffer:  max_entries is its size in bytes
+    task storage: nothing at load (allocated per task)
     """
     n = m.max_entries
+    if m.type in PER_TASK:
+        return 0
     if m.type in RINGBUF:
         return n
     if m.type in PERCPU_ARRAY:

@@ -192,7 +192,7 @@ RECOVERED = declare(
     "slatrace_recovered_waits", "counter",
     "Run-queue waits after a wakeup the programs did not see (counted in slatrace_untraced_events_total "
     "with kind wakeup), recovered from the scheduler's own enqueue time and "
-    "included in the wait figures (raw tracepoints; docs/api.md).",
+    "included in the wait figures (raw and BTF-typed tracepoints; docs/api.md).",
     _SVC, unit="1", source="store", cgroup_fields=(("recovered_wakeup", ()),), in_budget=False)
 LOST_WAITS = declare(
     "slatrace_lost_waits", "counter",

@@ -125,7 +125,7 @@ class EventRate(ct.Structure):
 
 # map name -> (key type, value type) as declared in bpf/sched.bpf.c
 MAP_TYPES: dict[str, tuple[type, type]] = {
-    "tasks": (ct.c_uint64, TaskInfo),  # task address (raw tracepoints) or tid (classic)
+    "tasks": (ct.c_uint64, TaskInfo),  # task address (raw tracepoints) or tid (classic); none on btf
     "hists": (HistKey, HistVal),
     "blame": (BlameKey, BlameVal),
     "cgroups": (CgroupKey, CgroupVal),

@@ -94,6 +94,7 @@ class WaitTally:
             return TallyVerdict(False, seen, got, (
                 f"the kernel skipped slatrace's BPF programs {skipped} times in the last {len(self._window)} "
                 "intervals (another BPF program, or on classic tracepoints a BPF map operation, was running on "
-                "that CPU), so waits may be missing from its figures; on raw tracepoints (--attach-mode raw) a "
+                "that CPU), so waits may be missing from its figures; on BTF-typed or raw tracepoints (--attach-mode "
+                "btf or raw) a "
                 "program is skipped only where it would run inside itself"))
         return TallyVerdict(True, seen, got, f"{got} of {seen} waits the BPF programs saw reached the agent")
