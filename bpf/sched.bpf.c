@@ -244,8 +244,11 @@ static __always_inline bool blame_key_same(struct blame_key *a, struct blame_key
 /* Adds one wait to the pair's entry of this CPU's blame_cache (see sched.h). */
 static __always_inline void blame_add(u64 victim, u64 culprit, u32 kind, u32 gen, u64 wait)
 {
-    u64 h = (victim * 0x9E3779B97F4A7C15ULL) ^ (culprit * 0xC2B2AE3D27D4EB4FULL) ^ kind;
-    /* The product's high bits mix every input bit; BLAME_CACHE is a power of two. */
+    /* kind goes in before the last product, whose high bits mix every input
+     * bit: the two kinds of one pair (a service waiting behind itself, both
+     * after wake-ups and after preemptions) must not share an entry, or each
+     * wait would flush the other's. BLAME_CACHE is a power of two. */
+    u64 h = ((victim * 0x9E3779B97F4A7C15ULL) ^ (culprit * 0xC2B2AE3D27D4EB4FULL) ^ kind) * 0x9E3779B97F4A7C15ULL;
     u32 idx = (gen & 1) * BLAME_CACHE + ((u32)(h >> 32) & (BLAME_CACHE - 1));
     struct blame_key key = {.victim_cgid = victim, .culprit_cgid = culprit, .kind = kind, .gen = gen};
     struct blame_slot *e = blame_cache.lookup(&idx);
@@ -272,6 +275,24 @@ static __always_inline u32 key_tid(task_key_t key)
     return task_pid(key);
 }
 
+/* The cgroup v2 id of the current task, `task`: what
+ * bpf_get_current_cgroup_id() returns (task->cgroups->dfl_cgrp->kn->id),
+ * read on BTF-typed tracepoints with plain loads at offsets from the
+ * kernel's BTF (agent/probe/btf.py CgroupChain), which the verifier checks
+ * against the types and turns into fault-safe loads: no helper call on every
+ * switch-out. */
+static __always_inline u64 current_cgroup_id(task_key_t task)
+{
+#if defined(TP_BTF) && defined(TASK_CGROUPS_OFF)
+    u64 cset = *(u64 *)(task + TASK_CGROUPS_OFF);
+    u64 cgrp = *(u64 *)(cset + CSS_SET_DFL_CGRP_OFF);
+    u64 kn = *(u64 *)(cgrp + CGROUP_KN_OFF);
+    return *(u64 *)(kn + KERNFS_NODE_ID_OFF);
+#else
+    return bpf_get_current_cgroup_id();
+#endif
+}
+
 /* TF_KTHREAD for a kernel thread, read once, when its entry is created. */
 static __always_inline u32 current_flags(void)
 {
@@ -283,6 +304,11 @@ static __always_inline u32 current_flags(void)
 static __always_inline u32 key_tid(task_key_t key)
 {
     return (u32)key;
+}
+
+static __always_inline u64 current_cgroup_id(task_key_t task)
+{
+    return bpf_get_current_cgroup_id();
 }
 
 /* Kernel threads that existed before the programs were attached are marked
@@ -386,7 +412,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     u32 flags = 0;
     if (prev) {
         flags = p ? p->flags : current_flags();
-        cgid = (flags & TF_KTHREAD) ? KERNEL_CGID : bpf_get_current_cgroup_id();
+        cgid = (flags & TF_KTHREAD) ? KERNEL_CGID : current_cgroup_id(prev);
     }
 
     /* Switch-in: the run-queue wait ends. */

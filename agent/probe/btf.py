@@ -63,6 +63,18 @@ class QueueClock:
 
 
 @dataclass(frozen=True)
+class CgroupChain:
+    """Where a task's cgroup v2 id is, as bpf_get_current_cgroup_id() reads
+    it (task->cgroups->dfl_cgrp->kn->id), in bytes: BTF-typed programs follow
+    the pointers with plain loads instead of calling the helper."""
+
+    task_cgroups: int      # task_struct.cgroups (struct css_set *)
+    css_set_dfl_cgrp: int  # css_set.dfl_cgrp (struct cgroup *)
+    cgroup_kn: int         # cgroup.kn (struct kernfs_node *)
+    kernfs_node_id: int    # kernfs_node.id (u64 from 5.5)
+
+
+@dataclass(frozen=True)
 class TaskLayout:
     """What the raw-tracepoint programs read, in bytes."""
 
@@ -84,6 +96,8 @@ class TaskLayout:
     # then says which.
     btf_trace_ids: tuple[tuple[str, int], ...] = ()
     btf_tracing_missing: str = ""
+    # None when the kernel's BTF lacks one of the links: the helper then.
+    cgroup_chain: CgroupChain | None = None
 
 
 class _Btf:
@@ -197,6 +211,23 @@ def _pointee(btf: _Btf, tid: int, what: str) -> int:
     return btf.header(tid)[4]
 
 
+def _cgroup_chain(btf: _Btf) -> CgroupChain | None:
+    offsets = []
+    tid, owner = _struct(btf, "task_struct"), "task_struct"
+    try:
+        for member in ("cgroups", "dfl_cgrp", "kn"):
+            off, ptr = _path(btf, tid, member, owner)
+            offsets.append(off)
+            tid, owner = _pointee(btf, ptr, f"{owner}.{member}"), f"{owner}.{member}"
+        off, id_type = _path(btf, tid, "id", owner)
+    except BtfError:
+        return None
+    id_type, kind = _strip(btf, id_type)
+    if kind != 1 or btf.header(id_type)[4] != 8:   # an 8-byte integer (a union before 5.5)
+        return None
+    return CgroupChain(*offsets, off)
+
+
 def _queue_clock(btf: _Btf) -> QueueClock:
     task = _struct(btf, "task_struct")
     last_queued, _ = _path(btf, task, "sched_info.last_queued", "task_struct")
@@ -260,7 +291,7 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
         clock = {"queue_clock": _queue_clock(btf)}
     except BtfError as e:
         clock = {"queue_clock_missing": str(e)}
-    clock.update(_btf_tracing(btf))
+    clock.update(_btf_tracing(btf), cgroup_chain=_cgroup_chain(btf))
     if switch_args >= 4:
         return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.

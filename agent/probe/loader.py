@@ -103,6 +103,10 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
         values["RAW_TP"] = 1
         if mode == "btf":
             values["TP_BTF"] = 1
+            chain = features.task_layout.cgroup_chain
+            if chain is not None:
+                values.update(TASK_CGROUPS_OFF=chain.task_cgroups, CSS_SET_DFL_CGRP_OFF=chain.css_set_dfl_cgrp,
+                              CGROUP_KN_OFF=chain.cgroup_kn, KERNFS_NODE_ID_OFF=chain.kernfs_node_id)
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
         values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
         if features.task_layout.state_offset is not None:

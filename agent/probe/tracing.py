@@ -92,7 +92,9 @@ class TracingPrograms:
         fd = _bpf(BPF_PROG_LOAD, attr)
         if fd >= 0:
             return fd
-        lines = [ln for ln in log.value.decode(errors="replace").splitlines() if ln.strip()]
+        # The verifier's reason is its last line but the statistics it ends with.
+        lines = [ln for ln in log.value.decode(errors="replace").splitlines()
+                 if ln.strip() and not ln.startswith(("processed ", "verification time"))]
         why = lines[-1] if lines else os.strerror(-fd)
         raise TracingError(f"the kernel refused the BTF-typed {name} program ({os.strerror(-fd)}): {why}")
 

@@ -122,3 +122,66 @@ def test_a_kernel_without_the_run_queue_pointer_says_so_and_still_attaches(tmp_p
     monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(path))
     detail = check.attachment("6.1.0-1-amd64").detail
     assert "raw tracepoints" in detail and "is lost, only counted (cfs_rq.rq not found" in detail
+
+
+UNION = 5
+
+
+def btf_tracing_blob(tracepoints: tuple[str, ...], task_storage: bool, id_bytes: int = 8) -> bytes:
+    """A 6.x kernel's shapes for the BTF-typed mode: a btf_trace_<name> type
+    per tracepoint, the task-local storage map type (an enumerator of enum
+    bpf_map_type, here only its name) and task->cgroups->dfl_cgrp->kn->id,
+    an 8-byte id from 5.5 (a union of two ints before)."""
+    t = Types()
+    u32 = t.add("int", INT, 4, trailer=struct.pack("<I", 32))
+    u64 = t.add("u64", TYPEDEF, t.add("long long unsigned int", INT, 8, trailer=struct.pack("<I", 64)))
+    kn_id = u64 if id_bytes == 8 else t.add("kernfs_node_id", UNION, 8, 2, b"".join(
+        struct.pack("<III", t.name(m), u32, off * 8) for m, off in (("ino", 0), ("generation", 4))))
+    kn = t.struct("kernfs_node", [("count", u32, 0), ("id", kn_id, 96)])
+    cgroup = t.struct("cgroup", [("flags", u32, 0), ("kn", t.add("", PTR, kn), 256)])
+    css_set = t.struct("css_set", [("refcount", u32, 0), ("dfl_cgrp", t.add("", PTR, cgroup), 112)])
+    rcu = t.add("rcu", 18, css_set)   # BTF_KIND_TYPE_TAG: the kernel's __rcu
+    t.struct("task_struct", [("flags", u32, 44), ("pid", u32, 1264), ("cgroups", t.add("", PTR, rcu), 2376)])
+    if task_storage:
+        t.name("BPF_MAP_TYPE_TASK_STORAGE")
+    switch_prototype(t, 4)
+    for name in tracepoints:
+        if name != "sched_switch":
+            t.add(f"btf_trace_{name}", TYPEDEF, t.add("", PTR, t.add("", FUNC_PROTO, 0)))
+    return t.blob()
+
+
+def test_btf_typed_tracepoints_and_the_cgroup_chain_are_found(tmp_path, monkeypatch):
+    path = tmp_path / "vmlinux"
+    path.write_bytes(btf_tracing_blob(btf.TRACEPOINTS, task_storage=True))
+    layout = btf.task_layout(path)
+    assert [name for name, _ in layout.btf_trace_ids] == list(btf.TRACEPOINTS)
+    assert len({tid for _, tid in layout.btf_trace_ids}) == len(btf.TRACEPOINTS) and not layout.btf_tracing_missing
+    assert layout.cgroup_chain == btf.CgroupChain(task_cgroups=2376, css_set_dfl_cgrp=112, cgroup_kn=256,
+                                                  kernfs_node_id=96)
+    monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(path))
+    assert check.attachment("6.12.118+deb13-amd64").detail.startswith("kernel 6.12.118+deb13-amd64: btf tracepoints")
+
+
+@pytest.mark.parametrize("tracepoints, task_storage, missing", [
+    (btf.TRACEPOINTS, False, "no task-local storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11+)"),
+    (btf.TRACEPOINTS[:-1], True, "BTF has no btf_trace_sched_process_exit"),
+])
+def test_a_kernel_without_btf_typed_tracepoints_says_why_and_takes_raw_ones(tmp_path, monkeypatch, tracepoints,
+                                                                            task_storage, missing):
+    path = tmp_path / "vmlinux"
+    path.write_bytes(btf_tracing_blob(tracepoints, task_storage))
+    layout = btf.task_layout(path)
+    assert layout.btf_trace_ids == () and missing in layout.btf_tracing_missing
+    monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(path))
+    detail = check.attachment("5.10.0-46-amd64").detail
+    assert detail.startswith("kernel 5.10.0-46-amd64: raw tracepoints, because BTF-typed ones are not usable (")
+    assert f"{missing}): ~{check.MODE_COST_NS['raw']} ns per context switch" in detail
+
+
+def test_a_cgroup_id_that_is_not_one_integer_leaves_the_helper(tmp_path):
+    """Before 5.5 kernfs_node.id was a union: the programs then call
+    bpf_get_current_cgroup_id() instead of reading it."""
+    path = tmp_path / "vmlinux"
+    path.write_bytes(btf_tracing_blob(btf.TRACEPOINTS, task_storage=True, id_bytes=0))
+    assert btf.task_layout(path).cgroup_chain is None
