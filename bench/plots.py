@@ -159,5 +159,30 @@ def cost(res: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def modes(results: dict[str, dict[str, Any]], path: Path) -> Path:
+    """modes.png: per workload of a bench.toggle run, what each arm adds per
+    context switch (mean over its windows, with the windows' 95% interval of
+    the mean): slatrace in each attach mode, the floor, runqlat-bpfcc."""
+    plt = _pyplot()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arms = [a for a in next(iter(results.values())) if isinstance(next(iter(results.values()))[a], dict)]
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        means = [results[w][arm]["mean_ns"] for w in results]
+        errs = [1.96 * results[w][arm]["sd_ns"] / max(results[w][arm]["windows"], 1) ** 0.5 for w in results]
+        xs = [k + (i - (len(arms) - 1) / 2) * width for k in range(len(results))]
+        ax.bar(xs, means, width, yerr=errs, capsize=2, label=arm, color=f"C{i}")
+    ax.set_xticks(range(len(results)), [f"{w} (pinned)" for w in results])
+    ax.set_ylabel("added ns per context switch")
+    ax.set_title("Each arm toggled within one long run (python -m bench.toggle)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _ns(v: float | None) -> float:
     return float("nan") if v is None else v

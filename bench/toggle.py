@@ -12,10 +12,13 @@ windows on either side, so the workload's slow drift cancels; the added
 cost per switch is 1/rate(tool) - 1/rate(off).
 
 It measures the kernel side only (the probe, not the agent's user space,
-which runs on another CPU). The cycle also holds slatrace's probe on classic
-tracepoints (what a kernel without BTF gets) and the floor: empty programs on
-the same six raw tracepoints, what any tool on them costs before doing
-anything, so each tool's cost is also given as a ratio to the floor.
+which runs on another CPU). "slatrace" is the probe in the mode the agent
+takes on this kernel (BTF-typed tracepoints where it has them); the cycle
+also holds it in the other modes (raw tracepoints, and classic ones, what a
+kernel without BTF gets) and the floor: empty programs on the same six
+tracepoints in the agent's mode (and on raw ones), what any tool on them
+costs before doing anything, so each tool's cost is also given as a ratio to
+the floor. `--plot PNG` draws every arm per workload.
 `--also DIR` adds slatrace's probe from another bpf/ directory to the cycle,
 to weigh one version of the probe against another within the same run.
 """
@@ -58,6 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--also", action="append", default=[], type=Path, metavar="BPF_DIR",
                    help="toggle slatrace's probe built from this bpf/ directory too, e.g. from "
                         "`git worktree add /tmp/old <commit>`: /tmp/old/bpf (repeatable)")
+    p.add_argument("--plot", type=Path, metavar="PNG", help="draw the added cost of every arm per workload there")
     args = p.parse_args(argv)
     for d in args.also:
         if not (d / "sched.bpf.c").is_file():
@@ -308,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for name, m in results.items():
         print(describe(name, m))
+    if args.plot:
+        from bench import plots
+        print(f"wrote {plots.modes(results, args.plot)}")
     return 0
 
 
