@@ -42,7 +42,7 @@ def run_checks(proc: Path = Path("/proc")) -> list[Check]:
 # (a pinned `perf bench sched pipe`), all measured side by side in one run:
 # BENCHMARKS.md, "Attach modes and the floor". The order is the agent's
 # preference.
-MODE_COST_NS = {"btf": 407, "raw": 462, "classic": 577}
+MODE_COST_NS = {"btf": 334, "raw": 437, "classic": 540}
 
 
 def _cost(mode: str) -> str:

@@ -88,6 +88,12 @@ class Toggled:
         if not self.raw and not self.classic and tracing is None:
             raise RuntimeError("bench.toggle: a probe attached no tracepoint: nothing to toggle")
 
+    def prog_fds(self) -> dict[str, int]:
+        """Tracepoint name -> its program's fd."""
+        if self.tracing is not None:
+            return dict(self.tracing.prog_fds)
+        return {name.decode().rsplit("__", 1)[-1]: fn.fd for name, fn in self.bpf.funcs.items()}
+
     def close(self) -> None:
         if self.tracing is not None:
             self.tracing.close()
@@ -111,6 +117,31 @@ class Toggled:
                 self.bpf.detach_tracepoint(tp=tp)
 
 
+def load_probe(feat, mode: str, bpf_dir: Path | None = None) -> Toggled:
+    """slatrace's probe compiled with the agent's flags for `mode` (from
+    `bpf_dir` instead of the shipped bpf/ where given), attached."""
+    from bcc import BPF
+
+    from agent.probe import loader
+    from agent.probe.tracing import TracingPrograms
+    flags = loader.cflags(feat, loader.MapSizes(), mode)
+    if bpf_dir is None:
+        b = BPF(src_file=str(loader.bpf_source_dir() / "sched.bpf.c").encode(), cflags=flags)
+    else:
+        # The include path first, so its own sched.h is the one found.
+        b = BPF(src_file=str(bpf_dir / "sched.bpf.c").encode(), cflags=[f"-I{bpf_dir}", *flags])
+    return Toggled(b, TracingPrograms(b, dict(feat.task_layout.btf_trace_ids)) if mode == "btf" else None)
+
+
+def load_floor(feat, mode: str) -> Toggled:
+    """The empty programs (bench/floor.py) in `mode`, attached."""
+    from bcc import BPF
+
+    from agent.probe.tracing import TracingPrograms
+    b = BPF(text=floor.source(mode))
+    return Toggled(b, TracingPrograms(b, dict(feat.task_layout.btf_trace_ids)) if mode == "btf" else None)
+
+
 def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
     """Every probe of the cycle, compiled and detached: slatrace's in the mode
     the agent takes here ("slatrace"; BTF-typed tracepoints where the kernel
@@ -123,38 +154,21 @@ def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
     from bcc import BPF
 
     from agent.probe import features, loader
-    from agent.probe.tracing import TracingPrograms
     feat = features.detect()
     if not feat.task_layout:
         raise RuntimeError("bench.toggle: this kernel has no BTF for task_struct: both tools would not take "
                            "raw tracepoints; nothing to compare here")
     mode = loader.attach_mode(feat, "auto")
-    trace_ids = dict(feat.task_layout.btf_trace_ids)
     text = subprocess.run([RUNQLAT, "--ebpf"], capture_output=True, text=True, timeout=60, check=True).stdout
-    src = str(loader.bpf_source_dir() / "sched.bpf.c").encode()
-
-    def probe(m: str, bpf_dir: Path | None = None) -> Toggled:
-        flags = loader.cflags(feat, loader.MapSizes(), m)
-        if bpf_dir is None:
-            b = BPF(src_file=src, cflags=flags)
-        else:
-            # The include path first, so its own sched.h is the one found.
-            b = BPF(src_file=str(bpf_dir / "sched.bpf.c").encode(), cflags=[f"-I{bpf_dir}", *flags])
-        return Toggled(b, TracingPrograms(b, trace_ids) if m == "btf" else None)
-
-    def empty(m: str) -> Toggled:
-        b = BPF(text=floor.source(m))
-        return Toggled(b, TracingPrograms(b, trace_ids) if m == "btf" else None)
-
-    out = {"slatrace": probe(mode)}
+    out = {"slatrace": load_probe(feat, mode)}
     for d in also:
-        out[f"slatrace@{d}"] = probe(mode, d)
+        out[f"slatrace@{d}"] = load_probe(feat, mode, d)
     if mode == "btf":
-        out["slatrace-raw"] = probe("raw")
-    out["slatrace-classic"] = probe("classic")
-    out["floor"] = empty(mode)
+        out["slatrace-raw"] = load_probe(feat, "raw")
+    out["slatrace-classic"] = load_probe(feat, "classic")
+    out["floor"] = load_floor(feat, mode)
     if mode == "btf":
-        out["floor-raw"] = empty("raw")
+        out["floor-raw"] = load_floor(feat, "raw")
     out["runqlat"] = Toggled(BPF(text=text))
     for t in out.values():
         t.set(False)
