@@ -41,7 +41,9 @@ SERVER = Path(__file__).resolve().parents[1] / "support" / "inference_server.py"
 REQUESTS_DASHBOARD = REPO / "dashboards" / "slatrace-requests.json"
 SERVER_SERVICE = "infer-test"
 NOISY_SERVICE = "noisy-test"
-E2E_TARGET = 0.45
+# A request's work alone takes ~0.12 s here; beside three hogs on its CPU,
+# ~0.4 s: every request breaks the target, so the breach panels have data.
+E2E_TARGET = 0.2
 REQUESTS = 4
 
 
