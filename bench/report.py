@@ -246,8 +246,9 @@ def render(res: dict[str, Any], image: str | None = None) -> str:
     out += total_cost_table(res)
     if res.get("toggle"):
         out += ["", "### Total cost, the tools toggled within one run", "",
-                "One long pinned run per workload; both tools' programs loaded once and their raw tracepoints "
-                "attached in turn for 50 ms windows (off, slatrace, off, runqlat, ...), each tool window's "
+                "One long pinned run per workload; both tools' programs loaded once and attached in turn for "
+                "50 ms windows (off, slatrace, off, runqlat, ...; slatrace's on the tracepoints the agent takes "
+                "on this kernel, runqlat's raw ones), each tool window's "
                 "context-switch rate against the off windows on either side, so the host's drift cancels "
                 "(`python -m bench.toggle`). Added ns per switch = 1/rate(tool) − 1/rate(off), mean over "
                 "windows; the kernel side only, kernel BPF stats off. In brackets, the ratio's 95% interval "
