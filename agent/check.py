@@ -47,6 +47,8 @@ MODE_COST_NS = {"btf": 334, "raw": 437, "classic": 540}
 
 def _cost(mode: str) -> str:
     best = min(MODE_COST_NS.values())
+    if MODE_COST_NS[mode] == best:
+        return f"the cheapest mode, ~{best} ns per context switch on a switch-dense workload (BENCHMARKS.md)"
     return (f"~{MODE_COST_NS[mode]} ns per context switch on a switch-dense workload, "
             f"{MODE_COST_NS[mode] / best:.2f}x the cheapest mode's (BENCHMARKS.md)")
 
