@@ -1,14 +1,19 @@
 /* slatrace: per-cgroup scheduler accounting on the sched tracepoints.
  *
- * Two attachments share one state machine: raw tracepoints (RAW_TP) where the
- * kernel's BTF gives task_struct's layout, classic tracepoints elsewhere.
- * Neither reads a kernel struct through compiled-in headers: the classic path
- * takes its argument layout from the live tracefs format files, the raw path
- * reads two task fields at offsets from the running kernel's BTF, so the
- * programs stay correct when compiled against another kernel's headers.
+ * Three attachments share one state machine: BTF-typed tracepoints (TP_BTF,
+ * with RAW_TP) where the kernel has task-local storage, raw tracepoints
+ * (RAW_TP) where the kernel's BTF gives task_struct's layout, classic
+ * tracepoints elsewhere. None reads a kernel struct through compiled-in
+ * headers: the classic path takes its argument layout from the live tracefs
+ * format files, the others read task fields at offsets from the running
+ * kernel's BTF, so the programs stay correct when compiled against another
+ * kernel's headers.
  *
  * Compile-time options (-D, built and validated by agent/probe/features.py):
- *   TP_BTF        (with RAW_TP) BTF-typed tracepoints and task-local storage
+ *   TP_BTF        (with RAW_TP) BTF-typed tracepoints and task-local storage;
+ *                 with TASK_CGROUPS_OFF, CSS_SET_DFL_CGRP_OFF, CGROUP_KN_OFF
+ *                 and KERNFS_NODE_ID_OFF (agent/probe/btf.py CgroupChain)
+ *                 the cgroup id is read with plain loads: current_cgroup_id()
  *   RAW_TP        raw tracepoints, with TASK_PID_OFF and TASK_FLAGS_OFF, the
  *                 offsets of task_struct.pid and .flags, and TASK_STATE_OFF
  *                 (that of its state) where sched_switch passes no prev_state
