@@ -9,6 +9,11 @@ from the running kernel's own type information (/sys/kernel/btf/vmlinux) and
 passed to the compiler as -D constants, so no kernel header is ever trusted
 for them.
 
+For BTF-typed tracepoints they give the type id of each tracepoint
+(btf_trace_<name>, what such a program attaches to), whether the kernel has
+task-local storage, and the chain of pointers from a task to its cgroup v2
+id, which those programs follow with plain loads.
+
 They also locate, when the kernel keeps them, the scheduler's own enqueue time
 of a task (task_struct.sched_info.last_queued, on the run queue's clock) and
 that clock (rq.clock, reached through task_struct.se.cfs_rq->rq): a switch-in
