@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = {"slatrace": load_probe(feat, mode)}
     for d in args.variant:
         arms[f"variant {d}"] = load_probe(feat, mode, d)
-    arms["floor"] = load_floor(feat, mode)
+    arms["floor"] = load_floor(mode)
     for arm in arms.values():
         arm.set(False)
     previous = STATS.read_text().strip()

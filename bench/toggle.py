@@ -133,13 +133,9 @@ def load_probe(feat, mode: str, bpf_dir: Path | None = None) -> Toggled:
     return Toggled(b, TracingPrograms(b, dict(feat.task_layout.btf_trace_ids)) if mode == "btf" else None)
 
 
-def load_floor(feat, mode: str) -> Toggled:
+def load_floor(mode: str) -> Toggled:
     """The empty programs (bench/floor.py) in `mode`, attached."""
-    from bcc import BPF
-
-    from agent.probe.tracing import TracingPrograms
-    b = BPF(text=floor.source(mode))
-    return Toggled(b, TracingPrograms(b, dict(feat.task_layout.btf_trace_ids)) if mode == "btf" else None)
+    return Toggled(*floor.load(mode))
 
 
 def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
@@ -166,9 +162,9 @@ def load_probes(also: list[Path] = ()) -> dict[str, Toggled]:
     if mode == "btf":
         out["slatrace-raw"] = load_probe(feat, "raw")
     out["slatrace-classic"] = load_probe(feat, "classic")
-    out["floor"] = load_floor(feat, mode)
+    out["floor"] = load_floor(mode)
     if mode == "btf":
-        out["floor-raw"] = load_floor(feat, "raw")
+        out["floor-raw"] = load_floor("raw")
     out["runqlat"] = Toggled(BPF(text=text))
     for t in out.values():
         t.set(False)

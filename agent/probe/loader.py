@@ -18,7 +18,6 @@ from pathlib import Path
 
 import agent
 from agent.probe.features import ATTACH_MODES, Features
-from agent.probe.tracing import TracingPrograms
 import numpy as np
 
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
@@ -26,6 +25,7 @@ from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, 
 from agent.probe.layout import SchedEvent as RawEvent
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
                             ProgramStats, SchedEvent)
+from agent.probe.tracing import TracingPrograms
 
 BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
