@@ -4,7 +4,9 @@ this machine, each one a service of its own.
 - contention: a victim that computes in 20 ms bursts between 1 ms sleeps, beside
   "heavy" (four busy loops at nice 0) and "light" (one busy loop at nice 3,
   about half the weight of one heavy loop). The victim's measured preemption
-  waits must rank heavy first, light second, both present.
+  waits must rank heavy first, light second, both present. Given a CPU, all
+  six share it: on two CPUs the load balancer may otherwise settle light on
+  the CPU the victim is not on, and light then never delays it at all.
 - quota: one busy loop under its own CPU quota (cgroup v2 cpu.max where the cpu
   controller is on v2, else the v1 cpu hierarchy's cpu.cfs_quota_us).
 - victim_beside_hogs: a victim that sleeps ~1 ms and works a little, beside two
@@ -39,12 +41,13 @@ class Contention:
 
 
 @contextlib.contextmanager
-def contention(seconds: float, heavy_hogs: int = HEAVY_HOGS) -> Iterator[Contention]:
+def contention(seconds: float, heavy_hogs: int = HEAVY_HOGS, cpu: int | None = None) -> Iterator[Contention]:
+    pin = [] if cpu is None else ["taskset", "-c", str(cpu)]
     with TestCgroup("heavy") as heavy, TestCgroup("light") as light, TestCgroup("victim") as victim:
         for _ in range(heavy_hogs):
-            heavy.spawn(hog_argv())
-        light.spawn(["nice", "-n", str(LIGHT_NICE)] + hog_argv())
-        p = victim.spawn(victim_argv(seconds, sleep_ms=1.0, work_ms=20.0))
+            heavy.spawn(hog_argv(cpu))
+        light.spawn(["nice", "-n", str(LIGHT_NICE)] + hog_argv(cpu))
+        p = victim.spawn(pin + victim_argv(seconds, sleep_ms=1.0, work_ms=20.0))
         yield Contention(heavy, light, victim, p.pid)
 
 

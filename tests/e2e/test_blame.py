@@ -1,7 +1,8 @@
 """Blame on real cgroups: a victim beside a heavy and a light neighbour.
 
-The ranking of culprits is judged against what the weights imply (heavy has
-about eight times the weight of light) and the victim's total run-queue wait
+All six tasks share one CPU. The ranking of culprits and light's part of the
+waits are judged against what the weights imply (heavy has about eight times
+the weight of light) and the victim's total run-queue wait
 against the kernel's own schedstat of the victim (loosely: the VM loses a few
 percent of switches, KERNEL-NOTES.md).
 """
@@ -9,6 +10,7 @@ percent of switches, KERNEL-NOTES.md).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -27,7 +29,8 @@ SECONDS = 4.0
 @pytest.fixture(scope="module")
 def scene():
     needs_kernel()
-    with Agent(interval=0.5) as agent, contention(SECONDS) as c:
+    cpu = max(os.sched_getaffinity(0))
+    with Agent(interval=0.5) as agent, contention(SECONDS, cpu=cpu) as c:
         wait_zombie(c.victim_pid, timeout=SECONDS + 10)
         schedstat = read_schedstat(c.victim_pid)
         time.sleep(1.2)  # the last intervals of the victim's life reach the store
@@ -48,9 +51,12 @@ def test_victim_culprits_ranked_heaviest_first(scene) -> None:
     assert order.index(c.heavy.path) < order.index(c.light.path)
     culprits = [x["service"] for x in rec["blame"]["culprits"]]
     assert culprits.index(c.heavy.path) < culprits.index(c.light.path)
-    # Heavy's weight is 4 x 1024 against light's 526: its measured share must be
-    # clearly larger, not a coin toss.
-    assert by[c.heavy.path]["wait_seconds"] > 2 * by[c.light.path]["wait_seconds"]
+    # On one CPU the neighbours take it in proportion to their weights: heavy
+    # 4 x 1024, light 526 (nice 3), so light's part of the waits behind the two
+    # is about 526 / 4622 = 11%.
+    light_part = by[c.light.path]["wait_seconds"] / (by[c.heavy.path]["wait_seconds"]
+                                                     + by[c.light.path]["wait_seconds"])
+    assert 0.05 < light_part < 0.2, light_part
     assert rec["throttled_seconds"] == 0.0
     assert rec["blame"]["cause"] == "neighbours"
     assert "neighbours" in rec["verdict"] and c.heavy.path in rec["verdict"]
