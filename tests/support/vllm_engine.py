@@ -50,18 +50,20 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 
 class Engine:
-    """`vllm serve MODEL` in `cgroup`, exporting its spans to `otlp_endpoint`."""
+    """`vllm serve MODEL` in `cgroup`, exporting its spans to `otlp_endpoint`
+    (None: tracing off)."""
 
-    def __init__(self, cgroup: TestCgroup, model: Path, otlp_endpoint: str, log: Path,
+    def __init__(self, cgroup: TestCgroup, model: Path, otlp_endpoint: str | None, log: Path,
                  max_num_seqs: int = 4, on_spawn: Callable[[int], None] | None = None) -> None:
         self.cgroup = cgroup
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [str(VENV / "bin" / "vllm"), "serve", str(model), "--port", str(self.port),
-                     "--host", "127.0.0.1", "--otlp-traces-endpoint", otlp_endpoint,
-                     "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs), "--enforce-eager",
-                     "--dtype", "float32"]
+                     "--host", "127.0.0.1", "--max-model-len", "256", "--max-num-seqs", str(max_num_seqs),
+                     "--enforce-eager", "--dtype", "float32"]
+        if otlp_endpoint is not None:
+            self.argv += ["--otlp-traces-endpoint", otlp_endpoint]
         self.log = log
         self._on_spawn = on_spawn
         self.proc: subprocess.Popen | None = None
