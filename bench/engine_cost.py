@@ -16,13 +16,12 @@ Each round runs every tool once, in an order rotated every round; a tool's
 slowdown in a round is its tokens per second against those of the run with no
 tool of the same round. The tables give medians over rounds and 95% intervals
 from resampling the rounds (bench.resample). Raw figures go to
-bench-results/engine-cost-<timestamp>.json.
+bench-results/engine-cost-<timestamp>.json (bench.report.publish).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shlex
@@ -37,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import resample, workloads
-from bench.run import machine, ratio_interval
+from bench.report import interval, publish
+from bench.run import ROOT, machine, ratio_interval
 from bench.tools import RUNQLAT, Floor, Runqlat, Slatrace, Tool
 from tests.support.vllm_engine import VENV, Engine, build_model
 from tests.support.workload import TestCgroup
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOLS: dict[str, Callable[[Path], Tool] | None] = {
     "none": None, "slatrace": Slatrace.start, "runqlat": Runqlat.start, "floor": Floor.start,
 }
@@ -84,24 +83,18 @@ def preflight(tools: list[str]) -> None:
 def block(engine: Engine, seconds: float, clients: int, max_tokens: int) -> dict[str, Any]:
     """`clients` threads send completions back to back for `seconds`; requests
     still running at the end are waited for and counted."""
-    latencies: list[float] = []
-    tokens = [0]
+    done: list[dict] = []       # list.append is atomic: the clients share these without a lock
     errors: list[str] = []
-    lock = threading.Lock()
     deadline = time.monotonic() + seconds
 
     def client(i: int) -> None:
         n = i
         while time.monotonic() < deadline:
             try:
-                got = engine.complete(PROMPTS[n % len(PROMPTS)], max_tokens)
+                done.append(engine.complete(PROMPTS[n % len(PROMPTS)], max_tokens))
             except OSError as e:
-                with lock:
-                    errors.append(str(e))
+                errors.append(str(e))
                 return
-            with lock:
-                latencies.append((got["client_end_ns"] - got["client_start_ns"]) / 1e9)
-                tokens[0] += got["tokens"]
             n += clients
 
     ctxt0, t0 = workloads.context_switches(), time.monotonic()
@@ -113,27 +106,29 @@ def block(engine: Engine, seconds: float, clients: int, max_tokens: int) -> dict
     elapsed, ctxt = time.monotonic() - t0, workloads.context_switches() - ctxt0
     if errors:
         raise RuntimeError(f"the engine failed a request: {errors[0]}")
-    latencies.sort()
-    return {"seconds": elapsed, "requests": len(latencies), "tokens": tokens[0],
-            "tokens_per_s": tokens[0] / elapsed, "mean_latency_s": statistics.fmean(latencies),
+    latencies = sorted((d["client_end_ns"] - d["client_start_ns"]) / 1e9 for d in done)
+    tokens = sum(d["tokens"] for d in done)
+    return {"seconds": elapsed, "requests": len(latencies), "tokens": tokens,
+            "tokens_per_s": tokens / elapsed, "mean_latency_s": statistics.fmean(latencies),
             "p99_latency_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "switches_per_s": ctxt / elapsed}
 
 
 def run_tool(name: str, engine: Engine, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     start = TOOLS[name]
-    tool = start(logs / f"{name}.log") if start is not None else None
-    try:
-        if tool is not None:
-            tool.wait_ready()
+    if start is None:
         time.sleep(args.settle)
-        cpu0 = tool.cpu_seconds() if tool is not None else 0.0
+        return {**block(engine, args.seconds, args.clients, args.max_tokens), "tool_cpu_pct": 0.0}
+    tool = start(logs / f"{name}.log")
+    try:
+        tool.wait_ready()
+        time.sleep(args.settle)
+        cpu0 = tool.cpu_seconds()
         out = block(engine, args.seconds, args.clients, args.max_tokens)
-        out["tool_cpu_pct"] = 100 * (tool.cpu_seconds() - cpu0) / out["seconds"] if tool is not None else 0.0
+        out["tool_cpu_pct"] = 100 * (tool.cpu_seconds() - cpu0) / out["seconds"]
         return out
     finally:
-        if tool is not None:
-            tool.stop()
+        tool.stop()
 
 
 def slowdowns(rounds: list[dict[str, dict]], name: str) -> list[float]:
@@ -185,7 +180,7 @@ def _ratio(r: tuple[float | None, list[float] | None] | None) -> str:
     point, iv = r
     if point is None:
         return "within the noise"
-    return f"{point:.2f}x" + (f" ({iv[0]:.2f}–{iv[1]:.2f})" if iv else " (interval: the peer is within the noise)")
+    return f"{point:.2f}x" + (interval(iv) or " (interval: the peer is within the noise)")
 
 
 def render(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -234,12 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**machine(argv), "rounds": args.rounds, "clients": args.clients, "seconds": args.seconds,
             "settle": args.settle, "max_tokens": args.max_tokens, "elapsed_s": time.monotonic() - t_start,
             "command": shlex.join([".venv/bin/python", "-m", "bench.engine_cost", *argv])}
-    out_dir = ROOT / "bench-results"
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"engine-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"meta": meta, "rounds": rounds, "summary": summary}, indent=1))
-    print(render(summary, meta))
-    print(f"wrote {path}")
+    # Written by hand into BENCHMARKS.md: the markers are never used (write_md=False).
+    publish(ROOT, "engine-cost", {"meta": meta, "rounds": rounds, "summary": summary}, render(summary, meta) + "\n",
+            write_md=False, begin="", end="", heading="")
     return 0
 
 
