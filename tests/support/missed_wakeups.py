@@ -20,7 +20,7 @@ import subprocess
 import time
 
 from agent.probe.snapshot import EV_IOWAIT, EV_PREEMPTED, EV_RUNQ
-from tests.support.tracefs import TraceRecorder, reference
+from tests.support.tracefs import SchedMigrate, TraceRecorder, reference
 from tests.support.workload import (TestCgroup, block_backed_dir, held_for_go, hog_argv, iowait_argv, process_state,
                                     victim_argv, wait_blocked_in, wait_zombie)
 
@@ -37,6 +37,9 @@ MATCH_NS = 20_000_000
 # (µs on the host, hundreds of µs under the emulator); one the load balancer
 # moved starts at the move (docs/accuracy.md).
 START_SLACK_NS = 20_000
+# How much earlier than the tracepoint a recovered wait ends: the clock it
+# reads was updated when __schedule() began (~8 µs on these VMs).
+SCHEDULE_NS = 10_000
 # The agent's and tracefs's stamps of one event: the probes run one after
 # the other on the tracepoint (docs/accuracy.md: median 0.4-1.6 µs).
 STAMP_ERROR_NS = 2_000
@@ -101,6 +104,19 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
     used = {id(e) for _, e in pairs}
     extra = [e for e in runq if id(e) not in used]
     errors = sorted(abs(e.start_ns - span.start_ns) for span, e in pairs)
+    moves = {}
+    for ev in rec.events:
+        if isinstance(ev, SchedMigrate) and ev.pid in tids[0]:
+            moves.setdefault(ev.pid, []).append(ev.ts_ns)
+    late = [(span, e) for span, e in pairs if abs(e.start_ns - span.start_ns) > START_SLACK_NS]
+    ontime = [(span, e) for span, e in pairs if abs(e.start_ns - span.start_ns) <= START_SLACK_NS]
+    moved = [(span, e) for span, e in late if moved_before_start(span, e, moves.get(span.tid, ()))]
+    # Each wait's task last ran from the reference's switch-in before it.
+    ran = {}
+    for span in sorted(ref.spans, key=lambda s: s.end_ns):
+        ran.setdefault(span.tid, []).append(span.end_ns)
+    kinds = [late_kind(span, e, max((t for t in ran[span.tid] if t < span.start_ns), default=ref.first_ts))
+             for span, e in late]
     out = {
         "cpus": cpus, "skip": skip, "mode": probe.mode,
         "event_errors": snap.errors["events"] + snap.errors["events_rate_limited"],
@@ -110,8 +126,19 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
         "reference_waits": len(ref.spans), "agent_waits": len(runq), "unmatched": len(missing),
         "matched_reference_ns": sum(span.end_ns - span.start_ns for span, _ in pairs),
         "matched_agent_ns": sum(e.end_ns - e.start_ns for _, e in pairs),
+        "ontime_reference_ns": sum(span.end_ns - span.start_ns for span, _ in ontime),
+        "ontime_agent_ns": sum(e.end_ns - e.start_ns for _, e in ontime),
         "start_error_median_ns": errors[len(errors) // 2] if errors else None,
-        "late": sum(1 for d in errors if d > START_SLACK_NS),
+        "late": len(late),
+        "late_moved": len(moved),
+        "late_inside": kinds.count("inside"),
+        "late_early": kinds.count("early"),
+        "late_unexplained": kinds.count(None),
+        # (tid, start, agent's start - reference's, reference ns, agent ns, the moves during the wait)
+        "late_sample": [(e.tid, span.start_ns - ref.first_ts, e.start_ns - span.start_ns,
+                         span.end_ns - span.start_ns, e.end_ns - e.start_ns,
+                         [m - span.start_ns for m in moves.get(span.tid, ()) if span.start_ns < m < span.end_ns])
+                        for span, e in late[:8]],
         "io": None,
         # What a failure needs to be read: the first waits on either side
         # without a partner, relative to the reference's first event.
@@ -128,6 +155,28 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
                      "recovered": io_counters.recovered_wakeup if io_counters else 0,
                      **compare_iowaits(io_ref, iowaits)}
     return out
+
+
+def late_kind(span, e, last_ran_ns: int) -> str | None:
+    """What a recovered wait whose start is more than START_SLACK_NS off the
+    reference's is. Its end is the programs' stamp of the switch-in, which
+    runs before tracefs's: never later than the reference's, earlier by a
+    stall between the two probes. "inside": it starts later and is shorter
+    (at a move, or where the clock was not updated since the enqueue).
+    "early": it starts at the enqueue, before the wake-up's tracepoint (the
+    CPU stalled between the two), but not before the task last ran. None:
+    neither, a wait the kernel's stamps cannot give."""
+    if e.end_ns > span.end_ns + STAMP_ERROR_NS:
+        return None
+    if e.start_ns >= span.start_ns:
+        return "inside"
+    return "early" if e.start_ns >= last_ran_ns else None
+
+
+def moved_before_start(span, e, moves) -> bool:
+    """Whether the load balancer moved the task between the reference's
+    start of this wait and the agent's (the recovered start is the move)."""
+    return any(span.start_ns < m <= e.start_ns + START_SLACK_NS for m in moves)
 
 
 def compare_iowaits(ref, iowaits: list) -> dict:
@@ -195,7 +244,10 @@ def summary(doc: dict) -> str:
             f"{doc['agent_waits']}, unmatched {doc['unmatched']}; matched {doc['matched_reference_ns'] / 1e6:.1f} vs "
             f"{doc['matched_agent_ns'] / 1e6:.1f} ms; untraced wake-ups {doc['untraced_wakeup']}, recovered "
             f"{doc['recovered_wakeup']}; start error median {(doc['start_error_median_ns'] or 0) / 1e3:.1f} µs, "
-            f"{doc['late']} beyond {START_SLACK_NS / 1e3:.0f} µs; "
+            f"{doc['late']} beyond {START_SLACK_NS / 1e3:.0f} µs ({doc['late_inside']} shorter, "
+            f"{doc['late_moved']} of them moved; {doc['late_early']} earlier; {doc['late_unexplained']} neither); "
+            f"on time {doc['ontime_reference_ns'] / 1e6:.1f} vs "
+            f"{doc['ontime_agent_ns'] / 1e6:.1f} ms; "
             + (f"I/O waits reference {io['reference']} agent {io['agent']}, {io['late']} ending late "
                f"({io['recovered']} recovered), {io['past_switch_in']} after the switch-in; on time "
                f"{io['ontime_reference_ns'] / 1e6:.1f} vs {io['ontime_agent_ns'] / 1e6:.1f} ms"
@@ -220,15 +272,24 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     slack = 0.01 * doc["reference_waits"] + doc["reference_gaps"] + 2
     assert doc["unmatched"] <= slack, f"{where}: {doc}"
     assert abs(doc["agent_waits"] - doc["reference_waits"]) <= slack, f"{where}: {doc}"
-    # On the host a lower bound: never above the reference, short by at most
-    # what the recovered waits can miss. A guest's clock stalls for ms
-    # between the program's and tracefs's stamps of one event (MATCH_NS),
-    # which lengthens some waits and shortens others.
+    # A guest's clock stalls for ms between the program's and tracefs's
+    # stamps of one event (MATCH_NS), which lengthens some waits and shortens
+    # others.
     ref_ns, agent_ns = doc["matched_reference_ns"], doc["matched_agent_ns"]
     low, high = (0.85, 1.15) if emulated else (0.98, 1.02)
-    assert ref_ns * low <= agent_ns <= ref_ns * high, f"{where}: {doc}"
-    if not emulated:
+    if emulated:
+        assert ref_ns * low <= agent_ns <= ref_ns * high, f"{where}: {doc}"
+    else:
+        # On the host the waits that start where the reference's do are
+        # exact to 2%, but for the µs each recovered one ends early. A few
+        # recovered ones start elsewhere, each for a reason late_kind()
+        # tells: shorter, by up to a whole wait of ms when the load balancer
+        # moved it, or earlier by a stall of the CPU.
+        ontime_ref, ontime_agent = doc["ontime_reference_ns"], doc["ontime_agent_ns"]
+        early_ends = doc["recovered_wakeup"] * SCHEDULE_NS
+        assert ontime_ref * low - early_ends <= ontime_agent <= ontime_ref * high, f"{where}: {doc}"
         assert doc["late"] <= 0.02 * doc["reference_waits"], f"{where}: {doc}"
+        assert doc["late_unexplained"] == 0, f"{where}: {doc}"
     io = doc["io"]
     assert io is not None or emulated, f"{where}: no block device for the I/O loop"
     if io is not None:
