@@ -355,7 +355,7 @@ class Daemon:
             self._probe.watch(cgids)
             self._watched = cgids
         drained_at = time.time()
-        self.request_sched.ingest(self._probe.drain_events(), drained_at)
+        self.request_sched.ingest(self._probe.drain_event_rows(), drained_at)
 
     def _drain_step(self) -> None:
         if self._probe is not None:

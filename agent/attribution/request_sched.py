@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Callable, Protocol
 
+import numpy as np
+
 from agent.attribution.critical_path import critical_delay
 from agent.probe.snapshot import EV_PREEMPTED, SchedEvent
 from agent.store.events import EventLog
@@ -251,8 +253,8 @@ class EventSched:
                     self._watching[service] = time.time()
         return cgids
 
-    def ingest(self, events: list[SchedEvent], drained_at_wall: float) -> None:
-        """Events drained from the ring buffer when the wall clock read
+    def ingest(self, events: np.ndarray | list[SchedEvent], drained_at_wall: float) -> None:
+        """Events (EVENT_ROW rows) drained from the ring buffer when the wall clock read
         drained_at_wall: everything that ended before then is in."""
         self._log.add(events)
         self._offset_ns = wall_minus_mono_ns()

@@ -22,9 +22,8 @@ import numpy as np
 
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
                                 TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
-from agent.probe.layout import SchedEvent as RawEvent
-from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, HIST_ROW, KERNEL_CGID, ProbeSnapshot,
-                            ProgramStats, SchedEvent)
+from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, EVENT_ROW, HIST_ROW, KERNEL_CGID,
+                                  ProbeSnapshot, ProgramStats, SchedEvent, events_of)
 from agent.probe.tracing import TracingPrograms
 
 BATCH = 4096
@@ -153,7 +152,7 @@ class Probe:
         self._buffers: dict[str, tuple] = {}
         self.load_mono_ns = monotonic_ns()
         self.load_wall = time.time()
-        self._events: list[SchedEvent] = []
+        self._records: list[bytes] = []
         self._ring_open = False
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "btf", "raw" or "classic" tracepoints
@@ -296,17 +295,24 @@ class Probe:
                 continue
         return marked
 
-    def _on_event(self, ctx, data, size) -> None:
-        e = ct.cast(data, ct.POINTER(RawEvent)).contents
-        self._events.append(SchedEvent(e.cgid, e.kind, e.start_ns, e.end_ns, e.other_cgid, e.tid))
+    def _on_event(self, ctx, data, size) -> int:
+        # Called once per record by libbpf: keep the bytes and nothing else,
+        # the drain decodes them all at once. An int, or BCC's wrapper raises
+        # and catches an exception per record converting the None.
+        self._records.append(ct.string_at(data, size))
+        return 0
+
+    def drain_event_rows(self) -> np.ndarray:
+        """Every event the ring buffer holds, oldest first, as EVENT_ROW rows."""
+        if not self._ring_open:
+            return np.empty(0, dtype=EVENT_ROW)
+        self._bpf.ring_buffer_consume()
+        records, self._records = self._records, []
+        return np.frombuffer(b"".join(records), dtype=EVENT_ROW)
 
     def drain_events(self) -> list[SchedEvent]:
         """Every event the ring buffer holds, oldest first."""
-        if not self._ring_open:
-            return []
-        self._bpf.ring_buffer_consume()
-        out, self._events = self._events, []
-        return out
+        return events_of(self.drain_event_rows())
 
     def baseline(self) -> ProbeSnapshot:
         """The all-zero snapshot of the moment the programs were attached."""

@@ -10,7 +10,7 @@ everything downstream is testable with recorded data.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, make_dataclass
 from typing import NamedTuple
 
@@ -76,6 +76,22 @@ class SchedEvent:
     end_ns: int
     other_cgid: int   # the preemptor for EV_PREEMPTED, else 0
     tid: int
+
+
+# The ring buffer's record of one wait (struct sched_event, bpf/sched.h):
+# the events of a drain are decoded in one pass as rows of this layout.
+EVENT_ROW = np.dtype([("cgid", np.uint64), ("other_cgid", np.uint64), ("start_ns", np.uint64), ("end_ns", np.uint64),
+                      ("tid", np.uint32), ("kind", np.uint32)])
+
+
+def event_rows(events: Iterable[SchedEvent]) -> np.ndarray:
+    """Events as EVENT_ROW rows, as the probe drains them."""
+    return np.array([(e.cgid, e.other_cgid, e.start_ns, e.end_ns, e.tid, e.kind) for e in events], dtype=EVENT_ROW)
+
+
+def events_of(rows: np.ndarray) -> list[SchedEvent]:
+    """EVENT_ROW rows as events, one object each."""
+    return [SchedEvent(cgid, kind, start, end, other, tid) for cgid, other, start, end, tid, kind in rows.tolist()]
 
 
 # Column layouts of a drained snapshot: one row per map entry.

@@ -22,7 +22,9 @@ from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
-from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
+import numpy as np
+
+from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent, event_rows
 
 
 @dataclass
@@ -62,6 +64,27 @@ class _Column:
             self.kind.append(kind)
             self.other.append(other)
         self.cum.append(self.cum[-1] + duration)
+
+    def extend(self, start: np.ndarray, end: np.ndarray, kind: np.ndarray | None = None,
+               other: np.ndarray | None = None) -> None:
+        """Events given in end order, as columns. Those ending before this
+        column's last event go in one by one (a drain may hold a wait a CPU
+        submitted late); the rest are appended in one piece."""
+        late = int(np.searchsorted(end, self.end[-1], side="left")) if self.end else 0
+        for i in range(late):
+            self.add(int(start[i]), int(end[i]), int(kind[i]) if kind is not None else 0,
+                     int(other[i]) if other is not None else 0)
+        if late == len(end):
+            return
+        start, end = start[late:].astype(np.uint64), end[late:].astype(np.uint64)
+        duration = end.astype(np.int64) - start.astype(np.int64)
+        self.max_len_ns = max(self.max_len_ns, int(duration.max()))
+        self.start.frombytes(start.tobytes())
+        self.end.frombytes(end.tobytes())
+        self.cum.frombytes((np.cumsum(duration) + self.cum[-1]).astype(np.uint64).tobytes())
+        if self.kind is not None:
+            self.kind.frombytes(kind[late:].astype(np.uint8).tobytes())
+            self.other.frombytes(other[late:].astype(np.uint64).tobytes())
 
     def clipped(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
         """(start, end, kind, other) of the events overlapping [lo, hi], clipped to it."""
@@ -140,29 +163,31 @@ class EventLog:
         self._lock = threading.Lock()
         self.dropped = 0
 
-    def add(self, events: list[SchedEvent]) -> None:
+    def add(self, events: np.ndarray | list[SchedEvent]) -> None:
+        """Events as the probe drains them (EVENT_ROW rows), or as objects."""
+        rows = events if isinstance(events, np.ndarray) else event_rows(events)
+        if not len(rows):
+            return
+        rows = rows[np.argsort(rows["end_ns"], kind="stable")]
+        runq = rows[((rows["kind"] == EV_RUNQ) | (rows["kind"] == EV_PREEMPTED)) & (rows["tid"] != 0)]
         with self._lock:
-            newest = 0
-            for e in events:
-                columns = self._cgroups.get(e.cgid)
-                if columns is None:
-                    columns = self._cgroups[e.cgid] = {}
-                key = (e.kind, e.other_cgid)
-                col = columns.get(key)
-                if col is None:
-                    col = columns[key] = _Column()
-                col.add(e.start_ns, e.end_ns)
-                if e.kind in (EV_RUNQ, EV_PREEMPTED) and e.tid:
-                    by_thread = columns.get((THREAD_KEY, e.tid))
-                    if by_thread is None:
-                        by_thread = columns[(THREAD_KEY, e.tid)] = _Column(kind=array("B"), other=array("Q"))
-                    by_thread.add(e.start_ns, e.end_ns, e.kind, e.other_cgid)
-                    self._thread_count += 1
-                if e.end_ns > newest:
-                    newest = e.end_ns
-            self._count += len(events)
-            if newest:
-                self._prune(newest - self._retention_ns)
+            for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
+                self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"])
+            for (cgid, tid), part in _groups(runq, ("cgid", "tid")):
+                self._column(cgid, (THREAD_KEY, tid), by_thread=True).extend(
+                    part["start_ns"], part["end_ns"], part["kind"], part["other_cgid"])
+            self._count += len(rows)
+            self._thread_count += len(runq)
+            self._prune(int(rows["end_ns"][-1]) - self._retention_ns)
+
+    def _column(self, cgid: int, key: tuple[int, int], by_thread: bool = False) -> _Column:
+        columns = self._cgroups.get(cgid)
+        if columns is None:
+            columns = self._cgroups[cgid] = {}
+        col = columns.get(key)
+        if col is None:
+            col = columns[key] = _Column(kind=array("B"), other=array("Q")) if by_thread else _Column()
+        return col
 
     def _prune(self, horizon_ns: int) -> None:
         for columns in self._cgroups.values():
@@ -244,3 +269,21 @@ class EventLog:
                         if total:
                             out[tid] = out.get(tid, 0) + total
         return out
+
+
+def _groups(rows: np.ndarray, fields: tuple[str, ...]):
+    """(key, rows) for each distinct value of the fields, the rows of each in
+    their order in `rows`."""
+    if not len(rows):
+        return
+    # lexsort is stable and sorts by its last key first.
+    keyed = rows[np.lexsort([rows[f] for f in reversed(fields)])]
+    change = np.zeros(len(keyed), dtype=bool)
+    change[0] = True
+    for f in fields:
+        change[1:] |= keyed[f][1:] != keyed[f][:-1]
+    bounds = np.flatnonzero(change).tolist() + [len(keyed)]
+    heads = keyed[change]
+    keys = zip(*(heads[f].tolist() for f in fields))
+    for key, lo, hi in zip(keys, bounds, bounds[1:]):
+        yield key, keyed[lo:hi]

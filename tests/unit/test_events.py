@@ -1,8 +1,13 @@
 """EventLog window cuts against a brute-force overlap computation."""
 
+import ctypes as ct
 import random
 
-from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent
+import numpy as np
+
+from agent.probe import layout
+from agent.probe.snapshot import (EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, EVENT_ROW, SchedEvent, event_rows,
+                                  events_of)
 from agent.store.events import EventLog
 
 
@@ -81,7 +86,8 @@ def test_waits_by_thread_equal_brute_force_and_sum_to_the_runq_wait():
     events = [SchedEvent(e.cgid, e.kind, e.start_ns, e.end_ns, e.other_cgid, rng.choice([101, 102, 103, 104]))
               for e in _events(20_000, seed=3)]
     log = EventLog(retention_ns=10**12)
-    log.add(events)
+    for i in range(0, len(events), 997):  # batches, as drained: some end before the last batch's last
+        log.add(event_rows(events[i:i + 997]))
     for _ in range(30):
         lo = rng.randint(events[0].start_ns, events[-1].end_ns)
         hi = lo + rng.randint(1_000_000, 500_000_000)
@@ -114,3 +120,16 @@ def test_thread_waits_keep_kind_and_culprit_in_end_order_and_clip():
                                                      (300, 350, EV_PREEMPTED, 11)],
                                                 8: [(150, 350, EV_RUNQ, 13)]}
     assert log.thread_waits({10}, 600, 700) == {} and log.thread_waits({99}, 0, 1000) == {}
+
+
+def test_event_rows_have_the_ring_buffer_records_layout_and_round_trip():
+    # The drain reads the records' bytes as EVENT_ROW: the same fields at the
+    # same offsets as the ctypes mirror of struct sched_event.
+    assert EVENT_ROW.itemsize == ct.sizeof(layout.SchedEvent)
+    for name, _ in layout.SchedEvent._fields_:
+        assert EVENT_ROW.fields[name][1] == getattr(layout.SchedEvent, name).offset, name
+    raw = layout.SchedEvent(cgid=2**63 + 5, other_cgid=11, start_ns=100, end_ns=250, tid=4_000_000, kind=EV_PREEMPTED)
+    (row,) = events_of(np.frombuffer(ct.string_at(ct.addressof(raw), ct.sizeof(raw)), dtype=EVENT_ROW))
+    assert row == SchedEvent(2**63 + 5, EV_PREEMPTED, 100, 250, 11, 4_000_000)
+    events = _events(300)
+    assert events_of(event_rows(events)) == events

@@ -1,0 +1,127 @@
+"""`python -m bench.event_cost`: the agent's CPU per exact wait event.
+
+For the services whose requests it attributes, the agent streams every wait
+of their threads through the ring buffer and keeps them in the event store; a
+real engine's ~60 threads make thousands a second. This loads the probe, puts
+a hog on every CPU and a few victims that sleep 0.2 ms and work 0.05 ms in a
+watched cgroup, and drains the ring buffer into an EventLog every 0.1 s, as the
+daemon does, timing the draining thread's CPU: µs per event and % of a core.
+
+--against REV measures the same in a checkout of REV too (a git worktree),
+alternating the two round by round: each measurement runs in a process of its
+own with that checkout's `agent` and `tests` first on the path.
+
+usage: sudo .venv/bin/python -m bench.event_cost [--against REV] [--rounds N] [--seconds S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DRAIN_S = 0.1   # the daemon's EVENT_DRAIN_S
+
+
+def measure(seconds: float, victims: int) -> dict:
+    """One measurement with whichever `agent` is first on the path."""
+    from agent.probe import features
+    from agent.probe.loader import MapSizes, Probe
+    from agent.store.events import EventLog
+    from tests.support.workload import TestCgroup, hog_argv, victim_argv
+
+    probe = Probe.load(features.detect(), MapSizes(event_rate=10_000_000))
+    # Checkouts before the bulk decode have only drain_events().
+    drain = getattr(probe, "drain_event_rows", probe.drain_events)
+    try:
+        with TestCgroup("bench-noisy") as noisy, TestCgroup("bench-watched") as watched:
+            for cpu in range(os.cpu_count() or 1):
+                noisy.spawn(hog_argv(cpu=cpu))
+            for _ in range(victims):
+                watched.spawn(victim_argv(seconds + 3, sleep_ms=0.2, work_ms=0.05))
+            probe.watch({watched.id})
+            log = EventLog(retention_ns=60 * 10**9)
+            time.sleep(1)
+            drain()
+            cpu = 0.0
+            events = drains = 0
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                time.sleep(DRAIN_S)
+                t0 = time.thread_time()
+                batch = drain()
+                log.add(batch)
+                cpu += time.thread_time() - t0
+                events += len(batch)
+                drains += 1
+    finally:
+        probe.close()
+    return {"events": events, "drains": drains, "seconds": seconds, "cpu_s": cpu,
+            "us_per_event": cpu * 1e6 / max(events, 1), "core_pct": 100 * cpu / seconds}
+
+
+def run_in(checkout: Path, seconds: float, victims: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(seconds), str(victims)],
+                          cwd=checkout, env=env, capture_output=True, text=True, timeout=seconds + 120)
+    if done.returncode != 0:
+        raise RuntimeError(f"the measurement in {checkout} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.event_cost", description=__doc__.splitlines()[0])
+    p.add_argument("--against", metavar="REV", help="also measure this git revision, alternating with this checkout")
+    p.add_argument("--rounds", type=int, default=3, help="measurements per checkout (default 3)")
+    p.add_argument("--seconds", type=float, default=10.0, help="length of each measurement (default 10)")
+    p.add_argument("--victims", type=int, default=4, help="waking tasks in the watched cgroup (default 4)")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench.event_cost: loading BPF programs needs root: run it with sudo", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory(prefix="slatrace-event-cost-") as tmp:
+        arms = {"this checkout": ROOT}
+        if args.against:
+            other = Path(tmp) / "against"
+            done = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"bench.event_cost: cannot check out {args.against}: {done.stderr.strip()}", file=sys.stderr)
+                return 1
+            arms = {args.against: other, **arms}
+        try:
+            results: dict[str, list[dict]] = {name: [] for name in arms}
+            for i in range(args.rounds):
+                order = list(arms) if i % 2 == 0 else list(arms)[::-1]
+                for name in order:
+                    r = run_in(arms[name], args.seconds, args.victims)
+                    results[name].append(r)
+                    print(f"round {i + 1}/{args.rounds} {name}: {r['events'] / r['seconds']:,.0f} events/s, "
+                          f"{r['us_per_event']:.2f} µs CPU per event, {r['core_pct']:.2f}% of a core", flush=True)
+        except RuntimeError as e:
+            print(f"bench.event_cost: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if args.against:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)],
+                               capture_output=True)
+    for name, rs in results.items():
+        print(f"{name}: median {statistics.median(r['us_per_event'] for r in rs):.2f} µs per event, "
+              f"{statistics.median(r['events'] / r['seconds'] for r in rs):,.0f} events/s")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--measure"]:
+        here = Path(__file__).resolve().parent   # the checkout's packages, not bench/'s files
+        sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != here]
+        print(json.dumps(measure(float(sys.argv[2]), int(sys.argv[3]))))
+        sys.exit(0)
+    sys.exit(main())
