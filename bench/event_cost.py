@@ -26,12 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DRAIN_S = 0.1   # the daemon's EVENT_DRAIN_S
-
 
 def measure(seconds: float, victims: int) -> dict:
     """One measurement with whichever `agent` is first on the path."""
+    from agent.daemon import EVENT_DRAIN_S
     from agent.probe import features
     from agent.probe.loader import MapSizes, Probe
     from agent.store.events import EventLog
@@ -54,7 +52,7 @@ def measure(seconds: float, victims: int) -> dict:
             events = drains = 0
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
-                time.sleep(DRAIN_S)
+                time.sleep(EVENT_DRAIN_S)
                 t0 = time.thread_time()
                 batch = drain()
                 log.add(batch)
@@ -83,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0, help="length of each measurement (default 10)")
     p.add_argument("--victims", type=int, default=4, help="waking tasks in the watched cgroup (default 4)")
     args = p.parse_args(argv)
+    from bench.run import ROOT   # here: a measurement's process has another checkout's packages first
     if os.geteuid() != 0:
         print("bench.event_cost: loading BPF programs needs root: run it with sudo", file=sys.stderr)
         return 1

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from agent.probe import layout
+
 # Re-exported: the kinds and ids snapshots are made of.
 from agent.probe.layout import (
     BLAME_HOLDER,
@@ -78,10 +80,9 @@ class SchedEvent:
     tid: int
 
 
-# The ring buffer's record of one wait (struct sched_event, bpf/sched.h):
-# the events of a drain are decoded in one pass as rows of this layout.
-EVENT_ROW = np.dtype([("cgid", np.uint64), ("other_cgid", np.uint64), ("start_ns", np.uint64), ("end_ns", np.uint64),
-                      ("tid", np.uint32), ("kind", np.uint32)])
+# The ring buffer's record of one wait, taken from layout's mirror of struct
+# sched_event: the events of a drain are decoded in one pass as these rows.
+EVENT_ROW = np.dtype(layout.SchedEvent)
 
 
 def event_rows(events: Iterable[SchedEvent]) -> np.ndarray:

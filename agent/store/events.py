@@ -169,7 +169,7 @@ class EventLog:
         if not len(rows):
             return
         rows = rows[np.argsort(rows["end_ns"], kind="stable")]
-        runq = rows[((rows["kind"] == EV_RUNQ) | (rows["kind"] == EV_PREEMPTED)) & (rows["tid"] != 0)]
+        runq = rows[np.isin(rows["kind"], (EV_RUNQ, EV_PREEMPTED)) & (rows["tid"] != 0)]
         with self._lock:
             for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
                 self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"])

@@ -108,8 +108,9 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
     for ev in rec.events:
         if isinstance(ev, SchedMigrate) and ev.pid in tids[0]:
             moves.setdefault(ev.pid, []).append(ev.ts_ns)
-    late = [(span, e) for span, e in pairs if abs(e.start_ns - span.start_ns) > START_SLACK_NS]
-    ontime = [(span, e) for span, e in pairs if abs(e.start_ns - span.start_ns) <= START_SLACK_NS]
+    late, ontime = [], []
+    for span, e in pairs:
+        (late if abs(e.start_ns - span.start_ns) > START_SLACK_NS else ontime).append((span, e))
     moved = [(span, e) for span, e in late if moved_before_start(span, e, moves.get(span.tid, ()))]
     # Each wait's task last ran from the reference's switch-in before it.
     ran = {}
