@@ -28,6 +28,12 @@
  *                 (raw only, where the BTF has them) the scheduler's own
  *                 enqueue time of a task and its run queue's clock
  *                 (agent/probe/btf.py QueueClock): missed_enqueue()
+ *   THR_SE_CFS_RQ_OFF, THR_CFS_RQ_RQ_OFF, THR_SINCE_OFF, THR_TOTAL_OFF,
+ *   THR_CLOCK_OFF, and THR_BY_SINCE or THR_COUNT_OFF, THR_CLOCK_LESS_OFF
+ *                 (raw only, where the BTF has them) where the scheduler
+ *                 keeps how long a CFS run queue was throttled and the
+ *                 clock it counts on (agent/probe/btf.py LimitClock):
+ *                 limit_clock()
  *   SKIP_WAKEUPS  tests only: ignore about one wake-up in that many, as if
  *                 the kernel had skipped the program
  */
@@ -215,11 +221,14 @@ static __always_inline bool hist_key_same(struct hist_key *a, struct hist_key *b
 static __always_inline void hist_add(u64 cgid, u32 gen, u32 kind, u64 v)
 {
     /* The self-check's count (sched.h, tally); kind is HIST_RUNQ or HIST_IOWAIT,
-     * which are TALLY_RUNQ and TALLY_IOWAIT. */
-    u32 t = (gen & 1) * NR_TALLY + (kind & 1);
-    u64 *seen = tally.lookup(&t);
-    if (seen)
-        (*seen)++;
+     * which are TALLY_RUNQ and TALLY_IOWAIT. HIST_RUNQ_LIMIT counts waits
+     * HIST_RUNQ holds already. */
+    if (kind != HIST_RUNQ_LIMIT) {
+        u32 t = (gen & 1) * NR_TALLY + (kind & 1);
+        u64 *seen = tally.lookup(&t);
+        if (seen)
+            (*seen)++;
+    }
     u32 slot = hist_slot(v);
     u32 base = (u32)(((cgid ^ kind) * 0x9E3779B97F4A7C15ULL) >> 32);
     u32 idx = (gen & 1) * HIST_CACHE + ((base + slot) & (HIST_CACHE - 1));
@@ -394,6 +403,85 @@ static __always_inline bool missed_enqueue(task_key_t task, u64 slept_at, u64 no
 }
 #endif
 
+/* How long the CFS bandwidth limit of a task's cgroup, or of an ancestor,
+ * has held the task's run queue on this CPU, ever, a throttle in progress
+ * included (ns on the scheduler's clock); *cfs_rq gets that run queue, *on
+ * whether a throttle is in progress. At a wait's two ends on one run queue
+ * the difference is the part of the wait the limit held: a throttled run
+ * queue is not picked, so its tasks wait whatever else the CPU does. The
+ * scheduler keeps the total per run queue, on every level below the
+ * throttled one: throttled_clock_self(_time) from 6.7 (rq clock, counted
+ * while the run queue holds tasks), throttled_clock_pelt(_time) before
+ * (PELT clock) and throttled_clock_task(_time) before 5.19 (task clock; both
+ * run with the rq clock while the CPU is idle, as it is when a throttled run
+ * queue is alone on it). The last was taken at the scheduler's last clock
+ * update, which __schedule() and a wake-up make just before their
+ * tracepoints. */
+#if defined(RAW_TP) && defined(THR_TOTAL_OFF)
+static __always_inline u64 limit_clock(task_key_t task, u64 *cfs_rq, bool *on)
+{
+    u64 q = 0, since = 0, total = 0;
+    bpf_probe_read_kernel(&q, sizeof(q), (void *)(task + THR_SE_CFS_RQ_OFF));
+    *cfs_rq = q;
+    *on = false;
+    if (!q)
+        return 0;
+    bpf_probe_read_kernel(&total, sizeof(total), (void *)(q + THR_TOTAL_OFF));
+    bpf_probe_read_kernel(&since, sizeof(since), (void *)(q + THR_SINCE_OFF));
+#ifdef THR_BY_SINCE
+    *on = since != 0;          /* zeroed when the throttle ends */
+#else
+    u32 count = 0;             /* throttled levels at or above this one */
+    bpf_probe_read_kernel(&count, sizeof(count), (void *)(q + THR_COUNT_OFF));
+    *on = count != 0;
+#endif
+    if (!*on)
+        return total;
+    u64 rq = 0, clock = 0;
+    bpf_probe_read_kernel(&rq, sizeof(rq), (void *)(q + THR_CFS_RQ_RQ_OFF));
+    if (!rq)
+        return total;
+    bpf_probe_read_kernel(&clock, sizeof(clock), (void *)(rq + THR_CLOCK_OFF));
+#ifdef THR_CLOCK_LESS_OFF
+    u64 less = 0;              /* rq_clock_pelt() = clock_pelt - lost_idle_time */
+    bpf_probe_read_kernel(&less, sizeof(less), (void *)(rq + THR_CLOCK_LESS_OFF));
+    clock -= less;
+#endif
+    return clock > since ? total + (clock - since) : total;
+}
+#else
+static __always_inline u64 limit_clock(task_key_t task, u64 *cfs_rq, bool *on)
+{
+    *cfs_rq = 0;  /* classic tracepoints pass no task pointer: the limit's part is not told */
+    *on = false;
+    return 0;
+}
+#endif
+
+/* A wait begins: where it stands on its CPU limit's clock. */
+static __always_inline void limit_start(task_key_t task, struct task_info *t)
+{
+    bool on;
+    t->thr_ns = limit_clock(task, &t->thr_cfs_rq, &on);
+    t->flags = on ? (t->flags | TF_THR_START) : (t->flags & ~TF_THR_START);
+}
+
+/* The part of a wait of `wait` ns, now ending, that the task's CPU limit
+ * held; 0 when it began on another run queue (the task moved) or its start
+ * is not known. */
+static __always_inline u64 limit_part(task_key_t task, struct task_info *t, u64 wait)
+{
+    if (!t->thr_cfs_rq)
+        return 0;
+    u64 q;
+    bool on;
+    u64 now = limit_clock(task, &q, &on);
+    if (q != t->thr_cfs_rq || now <= t->thr_ns)
+        return 0;
+    u64 held = now - t->thr_ns;
+    return held < wait ? held : wait;
+}
+
 /* A D-state sleep that ended at `end`: the I/O wait. */
 static __always_inline void iowait_end(struct ctl c, struct task_info *t, task_key_t task, u64 end)
 {
@@ -443,8 +531,26 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                  * wakeup on whoever held the CPU until it ended. */
                 bool preempted = st == TS_PREEMPTED;
                 u64 culprit = preempted ? n->preemptor_cgid : cgid;
-                blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait);
-                emit(c, next_cgid, preempted ? EV_PREEMPTED : EV_RUNQ, since, now, culprit, next);
+                u32 kind = preempted ? EV_PREEMPTED : EV_RUNQ;
+                u64 start = since;
+                u64 limit = limit_part(next, n, wait);
+                if (limit) {
+                    /* The limit's part is its own cause. A wait that began
+                     * throttled has it first, and the rest came after the
+                     * limit lifted: whoever held the CPU then kept it. One
+                     * throttled on the way has it last. */
+                    hist_add(next_cgid, c.gen, HIST_RUNQ_LIMIT, wait);
+                    cgroup_add_n(next_cgid, c.gen, CG_INDEX(limited_runq), 1, limit);
+                    if (n->flags & TF_THR_START) {
+                        culprit = cgid;
+                        emit(c, next_cgid, EV_LIMIT, since, since + limit, next_cgid, next);
+                        start = since + limit;
+                    } else {
+                        emit(c, next_cgid, EV_LIMIT, now - limit, now, next_cgid, next);
+                    }
+                }
+                blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait - limit);
+                emit(c, next_cgid, kind, start, start + wait - limit, culprit, next);
             } else if (st == TS_RUNNING) {
                 cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_switch_out), 0);
             }
@@ -464,10 +570,16 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
         p->state = out_state;
+        if (out_state == TS_PREEMPTED)
+            limit_start(prev, p);
+        else
+            p->thr_cfs_rq = 0;
         return 0;
     }
     struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state,
                              .flags = flags};
+    if (out_state == TS_PREEMPTED)
+        limit_start(prev, &init);
     if (!task_put(prev, &init))
         count_error(ERR_TASK);
     return 0;
@@ -492,6 +604,7 @@ static __always_inline int on_wakeup(task_key_t task)
         iowait_end(read_ctl(), t, task, now);
     t->state = TS_RUNNABLE;
     t->ts = now;
+    limit_start(task, t);
     return 0;
 }
 

@@ -26,6 +26,8 @@
 /* hist_key.kind */
 #define HIST_RUNQ 0
 #define HIST_IOWAIT 1
+#define HIST_RUNQ_LIMIT 2  /* the run-queue waits of HIST_RUNQ that a CPU limit held in part: counted twice, not tallied */
+#define NR_HIST_KINDS 3
 
 /* Kernel threads share the root cgroup with host processes; they are counted
  * under this pseudo cgroup id instead (no real cgroup has it: ids are inode
@@ -34,6 +36,7 @@
 #define KERNEL_CGID 0xfffffffffffffffeULL
 #define KTHREADD_PID 2
 #define TF_KTHREAD 1
+#define TF_THR_START 2  /* the task's CPU limit held it when its current wait began */
 
 /* task_info.state */
 #define TS_UNKNOWN 0
@@ -68,6 +71,21 @@
 #define EV_PREEMPTED 1    /* run-queue wait after a preemption; other_cgid = preemptor */
 #define EV_IOWAIT 2       /* uninterruptible sleep until wakeup */
 #define EV_MIGRATE 3      /* migration (start == end) */
+#define EV_LIMIT 4        /* the part of a run-queue wait its CPU limit held; the rest follows as EV_RUNQ or
+                           * EV_PREEMPTED, other_cgid = whoever held the CPU when the wait ended */
+
+/* The causes of a wait, the one vocabulary every figure of delay carries
+ * (docs/api.md). The programs decide CAUSE_CPU_LIMIT, the part of a wait
+ * during which the CFS bandwidth limit of the waiter's cgroup or an ancestor
+ * held its run queue (EV_LIMIT, cgroup_val.limited_runq); user space decides the others
+ * from the culprit's cgroup (agent/attribution/causes.py). */
+#define CAUSE_NEIGHBOUR 0    /* another service held the CPU */
+#define CAUSE_CPU_LIMIT 1    /* the service's own CPU limit (cpu.max, cpu.cfs_quota_us) */
+#define CAUSE_OWN_THREADS 2  /* the service's own threads held the CPU */
+#define CAUSE_KERNEL 3       /* kernel threads held the CPU */
+#define CAUSE_IDLE 4         /* woke to an idle CPU: wake-up latency */
+#define CAUSE_UNKNOWN 5      /* no culprit recorded */
+#define NR_CAUSES 6
 
 /* Key of the tasks map: the task_struct's address on raw tracepoints (the
  * kernel hands programs the pointer, so no read is needed to find a task),
@@ -80,6 +98,11 @@ struct task_info {
     __u64 preemptor_cgid;  /* who took the CPU, when state == TS_PREEMPTED */
     __u32 state;
     __u32 flags;           /* TF_* */
+    /* Where the current wait began on the CPU limit's clock (limit_clock() in
+     * sched.bpf.c): the task's CFS run queue then (0: not known) and how
+     * long the limit had held that run queue, ever. */
+    __u64 thr_cfs_rq;
+    __u64 thr_ns;
 };
 
 /* Control words written by user space (array "ctl", one element). */
@@ -173,6 +196,11 @@ struct cgroup_val {
     __u64 lost_iowait_ns;
     __u64 lost_blame;           /* run-queue waits missing from blame */
     __u64 lost_blame_ns;
+    /* Run-queue waits the cgroup's CPU limit (or an ancestor's) held in part,
+     * and the ns it held them (limit_part() in sched.bpf.c): that part is in
+     * no blame pair; the rest of each such wait is. */
+    __u64 limited_runq;
+    __u64 limited_runq_ns;
 };
 
 /* A cgroup_val field as the index programs add to: the struct is the one list

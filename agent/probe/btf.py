@@ -68,6 +68,41 @@ class QueueClock:
 
 
 @dataclass(frozen=True)
+class LimitClock:
+    """Where the scheduler keeps how long a CFS run queue was held by a CPU
+    limit (CFS bandwidth: its cgroup's or an ancestor's quota ran out), in
+    bytes: a wait's two readings on one run queue give the part of the wait
+    the limit held (bpf/sched.bpf.c limit_clock()). Three generations of the
+    same bookkeeping, by what the kernel's BTF has: `self` (6.7+,
+    cfs_rq.throttled_clock_self(_time) on rq.clock, zeroed when a throttle
+    ends), `pelt` (5.19+, throttled_clock_pelt(_time) on rq.clock_pelt less
+    rq.lost_idle_time) and `task` (before, throttled_clock_task(_time) on
+    rq.clock_task); the last two are in progress while cfs_rq.throttle_count
+    is non-zero."""
+
+    kind: str              # "self", "pelt" or "task"
+    se_cfs_rq: int         # task_struct.se.cfs_rq (struct cfs_rq *)
+    cfs_rq_rq: int         # cfs_rq.rq (struct rq *)
+    since: int             # cfs_rq.throttled_clock_<kind> (u64): when the throttle in progress began
+    total: int             # cfs_rq.throttled_clock_<kind>_time (u64): the throttles that ended
+    count: int             # cfs_rq.throttle_count (int): throttled levels at or above
+    clock: int             # the rq clock `since` is read on
+    clock_less: int | None = None   # rq.lost_idle_time, subtracted from rq.clock_pelt
+
+    def defines(self) -> dict[str, int]:
+        """The -D macros bpf/sched.bpf.c reads them under."""
+        out = {"THR_SE_CFS_RQ_OFF": self.se_cfs_rq, "THR_CFS_RQ_RQ_OFF": self.cfs_rq_rq,
+               "THR_SINCE_OFF": self.since, "THR_TOTAL_OFF": self.total, "THR_CLOCK_OFF": self.clock}
+        if self.kind == "self":
+            out["THR_BY_SINCE"] = 1
+        else:
+            out["THR_COUNT_OFF"] = self.count
+        if self.clock_less is not None:
+            out["THR_CLOCK_LESS_OFF"] = self.clock_less
+        return out
+
+
+@dataclass(frozen=True)
 class CgroupChain:
     """Where a task's cgroup v2 id is, as bpf_get_current_cgroup_id() reads
     it (task->cgroups->dfl_cgrp->kn->id), in bytes: BTF-typed programs follow
@@ -103,6 +138,10 @@ class TaskLayout:
     btf_tracing_missing: str = ""
     # None when the kernel's BTF lacks one of the links: the helper then.
     cgroup_chain: CgroupChain | None = None
+    # None when the kernel keeps no CFS bandwidth bookkeeping the programs can
+    # read (CONFIG_CFS_BANDWIDTH off); limit_clock_missing then says why.
+    limit_clock: LimitClock | None = None
+    limit_clock_missing: str = ""
 
 
 class _Btf:
@@ -244,6 +283,30 @@ def _queue_clock(btf: _Btf) -> QueueClock:
     return QueueClock(last_queued=last_queued, se_cfs_rq=se_cfs_rq, cfs_rq_rq=cfs_rq_rq, rq_clock=rq_clock)
 
 
+# (kind, cfs_rq fields' suffix, rq clock, what is subtracted from it), newest first.
+_LIMIT_CLOCKS = (("self", "self", "clock", None), ("pelt", "pelt", "clock_pelt", "lost_idle_time"),
+                 ("task", "task", "clock_task", None))
+
+
+def _limit_clock(btf: _Btf) -> LimitClock:
+    task = _struct(btf, "task_struct")
+    se_cfs_rq, cfs_rq_ptr = _path(btf, task, "se.cfs_rq", "task_struct")
+    cfs_rq = _pointee(btf, cfs_rq_ptr, "task_struct.se.cfs_rq")
+    cfs_rq_rq, rq_ptr = _path(btf, cfs_rq, "rq", "cfs_rq")
+    rq = _pointee(btf, rq_ptr, "cfs_rq.rq")
+    count, _ = _path(btf, cfs_rq, "throttle_count", "cfs_rq")
+    for kind, suffix, clock, less in _LIMIT_CLOCKS:
+        try:
+            since, _ = _path(btf, cfs_rq, f"throttled_clock_{suffix}", "cfs_rq")
+            total, _ = _path(btf, cfs_rq, f"throttled_clock_{suffix}_time", "cfs_rq")
+            clock_off, _ = _path(btf, rq, clock, "rq")
+            less_off = _path(btf, rq, less, "rq")[0] if less else None
+        except BtfError:
+            continue
+        return LimitClock(kind, se_cfs_rq, cfs_rq_rq, since, total, count, clock_off, less_off)
+    raise BtfError("cfs_rq has no throttled_clock_self, _pelt or _task bookkeeping in the kernel's BTF")
+
+
 def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
     """Arguments of a raw tracepoint (without the leading context pointer)."""
     tid = btf.find(KIND_TYPEDEF, f"btf_trace_{tracepoint}")
@@ -297,6 +360,10 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
     except BtfError as e:
         clock = {"queue_clock_missing": str(e)}
     clock.update(_btf_tracing(btf), cgroup_chain=_cgroup_chain(btf))
+    try:
+        clock["limit_clock"] = _limit_clock(btf)
+    except BtfError as e:
+        clock["limit_clock_missing"] = str(e)
     if switch_args >= 4:
         return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.

@@ -21,10 +21,13 @@ HIST_SLOTS = 2 + (HIST_MAX_SHIFT - HIST_MIN_SHIFT + 1) * HIST_SUB
 # hist_key.kind
 HIST_RUNQ = 0
 HIST_IOWAIT = 1
+HIST_RUNQ_LIMIT = 2   # the HIST_RUNQ waits a CPU limit held in part, counted again
+NR_HIST_KINDS = 3
 # The pseudo cgroup id kernel threads are counted under.
 KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
 KTHREADD_PID = 2
 TF_KTHREAD = 1
+TF_THR_START = 2
 # task_info.state
 TS_UNKNOWN = 0
 TS_RUNNING = 1
@@ -38,9 +41,20 @@ EV_RUNQ = 0
 EV_PREEMPTED = 1
 EV_IOWAIT = 2
 EV_MIGRATE = 3
+EV_LIMIT = 4   # the part of a run-queue wait its CPU limit held
 # blame_key.kind
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1
+# The causes of a wait (sched.h CAUSE_*), in their numeric order: the one list
+# of their names; agent/attribution/causes.py decides them.
+CAUSE_NEIGHBOUR = 0
+CAUSE_CPU_LIMIT = 1
+CAUSE_OWN_THREADS = 2
+CAUSE_KERNEL = 3
+CAUSE_IDLE = 4
+CAUSE_UNKNOWN = 5
+NR_CAUSES = 6
+CAUSES = ("neighbour", "cpu_limit", "own_threads", "kernel", "idle", "unknown")
 # tally array index within a generation (the self-check's counts)
 TALLY_RUNQ = 0
 TALLY_IOWAIT = 1
@@ -54,6 +68,7 @@ HIST_CACHE = 512  # per-CPU hist_cache entries per generation
 CGROUP_FIELDS = (
     "migrations", "untraced_switch_in", "untraced_switch_out", "untraced_wakeup", "recovered_wakeup",
     "lost_runq", "lost_runq_ns", "lost_iowait", "lost_iowait_ns", "lost_blame", "lost_blame_ns",
+    "limited_runq", "limited_runq_ns",
 )
 # errors array index (ERR_*) -> the map whose update failed; "pairs" is the
 # blame map (the name predates it and labels exported series).
@@ -68,6 +83,8 @@ class TaskInfo(ct.Structure):
         ("preemptor_cgid", ct.c_uint64),
         ("state", ct.c_uint32),
         ("flags", ct.c_uint32),
+        ("thr_cfs_rq", ct.c_uint64),
+        ("thr_ns", ct.c_uint64),
     ]
 
 

@@ -114,6 +114,8 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
         if clock is not None:
             values.update(TASK_LAST_QUEUED_OFF=clock.last_queued, TASK_SE_CFS_RQ_OFF=clock.se_cfs_rq,
                           CFS_RQ_RQ_OFF=clock.cfs_rq_rq, RQ_CLOCK_OFF=clock.rq_clock)
+        if features.task_layout.limit_clock is not None:
+            values.update(features.task_layout.limit_clock.defines())
     if skip_wakeups:
         values["SKIP_WAKEUPS"] = skip_wakeups
     for name, value in values.items():

@@ -24,12 +24,15 @@ from agent.probe.layout import (
     BLAME_PREEMPTED,
     CGROUP_FIELDS,
     EV_IOWAIT,
+    EV_LIMIT,
     EV_MIGRATE,
     EV_PREEMPTED,
     EV_RUNQ,
     HIST_IOWAIT,
     HIST_RUNQ,
+    HIST_RUNQ_LIMIT,
     KERNEL_CGID,
+    NR_HIST_KINDS,
 )
 
 
@@ -76,7 +79,7 @@ class SchedEvent:
     kind: int
     start_ns: int
     end_ns: int
-    other_cgid: int   # the preemptor for EV_PREEMPTED, else 0
+    other_cgid: int   # who kept the CPU: the preemptor (EV_PREEMPTED), the holder (EV_RUNQ), self (EV_LIMIT)
     tid: int
 
 

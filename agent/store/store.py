@@ -23,7 +23,7 @@ import numpy as np
 from agent.probe.snapshot import (
     BLAME_PREEMPTED,
     CGROUP_FIELDS,
-    HIST_IOWAIT,
+    NR_HIST_KINDS,
     ProbeSnapshot,
     ProgramStats,
     carry_over,
@@ -232,8 +232,8 @@ class Store:
         """One interval's table, from the snapshot's columns: each cgroup is
         named once, then rows are summed per service with array operations."""
         h = cur.hist_rows[(cur.hist_rows["count"] != 0) | (cur.hist_rows["sum_ns"] != 0)]
-        if np.any(h["kind"] > HIST_IOWAIT):
-            bad = h[h["kind"] > HIST_IOWAIT][0]
+        if np.any(h["kind"] >= NR_HIST_KINDS):
+            bad = h[h["kind"] >= NR_HIST_KINDS][0]
             raise ValueError(f"unknown histogram kind {bad['kind']} for cgroup {bad['cgid']}")
         b = cur.blame_rows[(cur.blame_rows["count"] != 0) | (cur.blame_rows["wait_ns"] != 0)]
         c = cur.cgroup_rows
@@ -258,9 +258,9 @@ class Store:
         order = np.lexsort((active_cg, cg_svc))
         cg_svc, active_cg = cg_svc[order], active_cg[order]
 
-        key = (svc(h["cgid"]) * 2 + h["kind"].astype(np.int64)) * HIST_SLOTS + h["slot"].astype(np.int64)
+        key = (svc(h["cgid"]) * NR_HIST_KINDS + h["kind"].astype(np.int64)) * HIST_SLOTS + h["slot"].astype(np.int64)
         key, counts, sums = sum_by(key, h["count"], h["sum_ns"])
-        hsvc, rest = np.divmod(key, 2 * HIST_SLOTS)
+        hsvc, rest = np.divmod(key, NR_HIST_KINDS * HIST_SLOTS)
         hkind, hslot = np.divmod(rest, HIST_SLOTS)
 
         preempted = (b["kind"] == BLAME_PREEMPTED).astype(np.int64)

@@ -23,7 +23,7 @@ from types import MappingProxyType
 import numpy as np
 
 from agent.probe.layout import CGROUP_FIELDS
-from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, PairCounters
+from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ, HIST_RUNQ_LIMIT, NR_HIST_KINDS, PairCounters
 from agent.store.histogram import HIST_SLOTS, Histogram, grouped_quantiles
 
 # Culprits beyond a victim's largest are summed under this name.
@@ -58,9 +58,11 @@ class ServiceInterval:
     # cgroups: cgroup_val field -> count (agent/probe/layout.py CGROUP_FIELDS).
     counters: Mapping[str, int] = field(default_factory=lambda: MappingProxyType(dict.fromkeys(CGROUP_FIELDS, 0)))
     # Run-queue waits after a wakeup, by the service that held the CPU until
-    # they ended ("idle": the CPU was idle). With preempted_by and lost_blame,
-    # sums to runq.
+    # they ended ("idle": the CPU was idle). With preempted_by, lost_blame and
+    # the part the service's CPU limit held (limited), sums to runq.
     waited_behind: Mapping[str, PairCounters] = field(default_factory=lambda: _EMPTY)
+    # The waits of runq its CPU limit held in part (whole waits: the tail's cause).
+    runq_limited: Histogram = field(default_factory=Histogram)
 
     @property
     def migrations(self) -> int:
@@ -79,6 +81,11 @@ class ServiceInterval:
     @property
     def lost_blame(self) -> PairCounters:
         return self._lost("blame")
+
+    @property
+    def limited(self) -> PairCounters:
+        """Run-queue waits the service's CPU limit held in part, and the ns it held them."""
+        return PairCounters(self.counters.get("limited_runq", 0), self.counters.get("limited_runq_ns", 0))
 
     def _lost(self, kind: str) -> PairCounters:
         return PairCounters(self.counters.get(f"lost_{kind}", 0), self.counters.get(f"lost_{kind}_ns", 0))
@@ -126,7 +133,7 @@ class ServiceTable:
     names: tuple[str, ...]
     active: np.ndarray           # int64 positions, ascending
     h_svc: np.ndarray            # histogram rows: service position
-    h_kind: np.ndarray           #   HIST_RUNQ / HIST_IOWAIT
+    h_kind: np.ndarray           #   HIST_RUNQ / HIST_IOWAIT / HIST_RUNQ_LIMIT
     h_slot: np.ndarray
     h_count: np.ndarray
     h_sum: np.ndarray
@@ -215,6 +222,7 @@ class ServiceTable:
             cgroups=self.cgroups_of(name),
             counters=MappingProxyType(counter_row(self.counters[i].tolist())),
             waited_behind=MappingProxyType(dict(sorted(holders.items()))),
+            runq_limited=self.histogram(i, HIST_RUNQ_LIMIT),
         )
 
     # Builders.
@@ -354,9 +362,9 @@ def merge(tables: Sequence[ServiceTable], keep_culprits: int, blame: bool = True
         return np.concatenate(parts) if parts else _empty()
 
     active = np.unique(np.concatenate([m[t.active] for t, m in zip(tables, maps)]))
-    hkey = (cat("h_svc", True) * 2 + cat("h_kind")) * HIST_SLOTS + cat("h_slot")
+    hkey = (cat("h_svc", True) * NR_HIST_KINDS + cat("h_kind")) * HIST_SLOTS + cat("h_slot")
     hkey, hc, hs = sum_by(hkey, cat("h_count"), cat("h_sum"))
-    hsvc, rest = np.divmod(hkey, 2 * HIST_SLOTS)
+    hsvc, rest = np.divmod(hkey, NR_HIST_KINDS * HIST_SLOTS)
     hkind, hslot = np.divmod(rest, HIST_SLOTS)
 
     if blame:

@@ -1,4 +1,5 @@
-"""A CPU weight for a test's neighbour, wherever the cpu controller lives.
+"""A CPU weight for a test's neighbour, and a CPU limit for a test's service,
+wherever the cpu controller lives.
 
 A neighbour delays a latency-sensitive service only when it weighs more (as a
 pod with larger CPU requests does): at equal weight the service's short,
@@ -59,6 +60,20 @@ class CpuWeight:
     def add(self, pid: int) -> None:
         if self._v1 is not None:
             (self.dir / "cgroup.procs").write_text(str(pid))
+
+    def limit(self, quota_us: int | None, period_us: int = 100_000) -> None:
+        """A CFS bandwidth limit of quota_us per period_us (None: none), as a
+        Kubernetes CPU limit sets it: v1's cpu.cfs_quota_us, v2's cpu.max."""
+        if self._v1 is not None:
+            (self.dir / "cpu.cfs_period_us").write_text(str(period_us))
+            (self.dir / "cpu.cfs_quota_us").write_text(str(-1 if quota_us is None else quota_us))
+        else:
+            (self.dir / "cpu.max").write_text(f"{'max' if quota_us is None else quota_us} {period_us}")
+
+    def throttled_ns(self) -> int:
+        """The wall time the group was throttled, from its cpu.stat."""
+        stat = dict(line.split() for line in (self.dir / "cpu.stat").read_text().splitlines())
+        return int(stat["throttled_time"]) if "throttled_time" in stat else int(stat["throttled_usec"]) * 1000
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -15,10 +15,14 @@ def test_every_header_constant_is_mirrored_once_and_equal() -> None:
     mirrored = {name: getattr(layout, name) for name in d if hasattr(layout, name)}
     assert mirrored == {name: d[name] for name in mirrored}
     # Every value class the programs use is mirrored.
-    for prefix in ("HIST_", "TS_", "EV_", "BLAME_"):
+    for prefix in ("HIST_", "TS_", "EV_", "BLAME_", "CAUSE_", "TF_"):
         missing = [n for n in d if n.startswith(prefix) and n not in mirrored]
         assert not missing, missing
     assert layout.KERNEL_CGID == d["KERNEL_CGID"] and layout.NR_ERRORS == d["NR_ERRORS"]
+    # CAUSES names each CAUSE_* at its value.
+    causes = sorted((v, n) for n, v in d.items() if n.startswith("CAUSE_"))
+    assert [v for v, _ in causes] == list(range(d["NR_CAUSES"])) and len(layout.CAUSES) == d["NR_CAUSES"]
+    assert [layout.CAUSES[v] for v, _ in causes] == [n.removeprefix("CAUSE_").lower() for _, n in causes]
 
 
 def test_error_and_cgroup_field_orders_follow_the_header() -> None:
