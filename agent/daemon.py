@@ -272,7 +272,8 @@ class Daemon:
                                   grpc_listen=self.options.otlp_grpc_listen, http_listen=self.options.otlp_http_listen,
                                   otlp_endpoint=self.options.otlp_endpoint,
                                   otlp_protocol=getattr(self.options, "otlp_protocol", None), pods=self._pods,
-                                  access=self._access, subscribers=self.subscribers)
+                                  access=self._access, subscribers=self.subscribers,
+                                  cpu_limits=self.throttle.limits_of)
             self.registry.register(TraceCollector(self._traces.counters))
             self.registry.register(EngineCollector(self._traces.engines))
             self.state.extra_routes.update(self._traces.routes())
@@ -330,6 +331,7 @@ class Daemon:
         record = self.store.ingest(snap, self._resolver.service_of)
         if record is not None:
             self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service()))
+            self.throttle.set_limits(self._throttle_reader.limits())
             self.breaches.observe(record.end, record.services)
         self.poll_seconds = time.monotonic() - t0
         self.polls += 1

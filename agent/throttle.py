@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuHierarchy", "ThrottleLedger", "ThrottleReader", "find_cpu_hierarchy"]
+__all__ = ["CpuHierarchy", "CpuLimit", "ThrottleLedger", "ThrottleReader", "find_cpu_hierarchy"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,58 @@ def find_cpu_hierarchy(mounts_text: str, v2_controllers: Callable[[Path], str] |
 class _QuotaCgroup:
     path: Path           # absolute directory of the cgroup holding the quota
     version: int
+
+
+@dataclass(frozen=True)
+class CpuLimit:
+    """A CPU limit on a service's cgroups, as its operator set it."""
+
+    cgroup: str          # path of the cgroup holding it, in its hierarchy ("/kubepods/.../pod<uid>")
+    version: int         # cgroup version of the cpu controller
+    quota_us: int
+    period_us: int
+
+    @property
+    def cpus(self) -> float:
+        return self.quota_us / self.period_us if self.period_us else 0.0
+
+    @property
+    def level(self) -> str:
+        """Which Kubernetes object the cgroup is, when it is one: "pod",
+        "container", else "cgroup"."""
+        leaf = self.cgroup.rstrip("/").rsplit("/", 1)[-1]
+        if leaf.startswith("pod") or "-pod" in leaf:
+            return "pod"
+        if leaf.startswith(("cri-containerd-", "crio-", "docker-", "containerd-")) or \
+                (len(leaf) == 64 and all(c in "0123456789abcdef" for c in leaf)):
+            return "container"
+        return "cgroup"
+
+    @property
+    def setting(self) -> str:
+        """The setting as it is written: `cpu.max 50000 100000` or its v1 pair."""
+        if self.version == 2:
+            return f"cpu.max {self.quota_us} {self.period_us}"
+        return f"cpu.cfs_quota_us {self.quota_us} / cpu.cfs_period_us {self.period_us}"
+
+    def as_dict(self) -> dict:
+        return {"cgroup": self.cgroup, "setting": self.setting, "quota_seconds": self.quota_us / 1e6,
+                "period_seconds": self.period_us / 1e6, "cpus": self.cpus, "level": self.level}
+
+
+def _read_limit(directory: Path, root: Path, version: int) -> CpuLimit | None:
+    try:
+        if version == 2:
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+        else:
+            quota = (directory / "cpu.cfs_quota_us").read_text().strip()
+            period = (directory / "cpu.cfs_period_us").read_text().strip()
+        q, p = int(quota), int(period)
+    except (OSError, ValueError):
+        return None
+    if q <= 0:
+        return None
+    return CpuLimit("/" + str(directory.relative_to(root)).strip("."), version, q, p)
 
 
 def _read_throttled_ns(cg: _QuotaCgroup) -> int | None:
@@ -135,6 +187,7 @@ class ThrottleReader:
         self._mapped_services: dict[str, frozenset[str]] = {}
         self._quota_of: dict[str, set[_QuotaCgroup]] = {}
         self._last: dict[_QuotaCgroup, int] = {}
+        self._limit: dict[_QuotaCgroup, CpuLimit] = {}   # read when mapped
         self.map_builds = 0
         self.errors = 0
 
@@ -194,6 +247,18 @@ class ThrottleReader:
         live = {cg for cgs in self._quota_of.values() for cg in cgs}
         for cg in [cg for cg in self._last if cg not in live]:
             del self._last[cg]
+        for cg in [cg for cg in self._limit if cg not in live]:
+            del self._limit[cg]
+        return out
+
+    def limits(self) -> dict[str, tuple[CpuLimit, ...]]:
+        """service -> the CPU limits on its cgroups (the nearest of each), as
+        read when the service was last mapped (within map_refresh_s)."""
+        out = {}
+        for service, cgs in self._quota_of.items():
+            found = tuple(sorted((self._limit[cg] for cg in cgs if cg in self._limit), key=lambda limit: limit.cgroup))
+            if found:
+                out[service] = found
         return out
 
     def _delta(self, cg: _QuotaCgroup) -> int | None:
@@ -237,7 +302,11 @@ class ThrottleReader:
         while parts:  # the root cgroup never has a quota
             directory = root.joinpath(*parts)
             if _has_quota(directory, version):
-                return _QuotaCgroup(directory, version)
+                cg = _QuotaCgroup(directory, version)
+                limit = _read_limit(directory, root, version)
+                if limit is not None:
+                    self._limit[cg] = limit
+                return cg
             parts.pop()
         return None
 
@@ -270,6 +339,16 @@ class ThrottleLedger:
         self._lock = threading.Lock()
         self._records: deque[tuple[float, dict[str, float]]] = deque()
         self._totals: dict[str, float] = {}
+        self._limits: dict[str, tuple[CpuLimit, ...]] = {}
+
+    def set_limits(self, limits: Mapping[str, tuple[CpuLimit, ...]]) -> None:
+        with self._lock:
+            self._limits = dict(limits)
+
+    def limits_of(self, service: str) -> tuple[CpuLimit, ...]:
+        """The CPU limits on the service's cgroups, as last read."""
+        with self._lock:
+            return self._limits.get(service, ())
 
     def add(self, end: float, seconds: Mapping[str, float]) -> None:
         with self._lock:

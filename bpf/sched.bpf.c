@@ -537,11 +537,15 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                 if (limit) {
                     /* The limit's part is its own cause. A wait that began
                      * throttled has it first, and the rest came after the
-                     * limit lifted: whoever held the CPU then kept it. One
+                     * limit lifted, which put the task back on its run queue
+                     * as a wake-up would (no neighbour preempted it):
+                     * whoever held the CPU until it ran kept it. One
                      * throttled on the way has it last. */
                     hist_add(next_cgid, c.gen, HIST_RUNQ_LIMIT, wait);
                     cgroup_add_n(next_cgid, c.gen, CG_INDEX(limited_runq), 1, limit);
                     if (n->flags & TF_THR_START) {
+                        preempted = false;
+                        kind = EV_RUNQ;
                         culprit = cgid;
                         emit(c, next_cgid, EV_LIMIT, since, since + limit, next_cgid, next);
                         start = since + limit;

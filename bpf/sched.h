@@ -71,8 +71,10 @@
 #define EV_PREEMPTED 1    /* run-queue wait after a preemption; other_cgid = preemptor */
 #define EV_IOWAIT 2       /* uninterruptible sleep until wakeup */
 #define EV_MIGRATE 3      /* migration (start == end) */
-#define EV_LIMIT 4        /* the part of a run-queue wait its CPU limit held; the rest follows as EV_RUNQ or
-                           * EV_PREEMPTED, other_cgid = whoever held the CPU when the wait ended */
+#define EV_LIMIT 4        /* the part of a run-queue wait its CPU limit held (other_cgid: the waiter's own);
+                           * the rest of the wait is an event of its own: when the wait began throttled,
+                           * an EV_RUNQ after it (other_cgid: whoever held the CPU when it ended), else
+                           * the wait's own kind, before it */
 
 /* The causes of a wait, the one vocabulary every figure of delay carries
  * (docs/api.md). The programs decide CAUSE_CPU_LIMIT, the part of a wait

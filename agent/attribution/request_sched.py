@@ -16,10 +16,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from agent.attribution.causes import by_cause, cause_of, culprit_service
 from agent.attribution.critical_path import critical_delay
-from agent.probe.snapshot import EV_PREEMPTED, SchedEvent
+from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, SchedEvent
 from agent.store.events import EventLog
-from agent.store.store import IDLE, UNKNOWN_SERVICE, Store
+from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE, Store
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,17 @@ class RequestSched:
     delay_threads: int = 0
     # the delay inside each phase vLLM reported (queued, prefill, decode)
     phases: tuple[PhaseDelay, ...] = ()
+    # the service the figures are of: delay_by's culprits are causes relative to it
+    service: str = ""
+    # thread-seconds of runq_wait_seconds its own CPU limit held
+    limit_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {
             "delay_seconds": self.delay_seconds,
-            "delay_by": [{"service": s, "seconds": w} for s, w in self.delay_by],
+            "delay_by": delay_by_dicts(self.delay_by, self.service),
+            "delay_by_cause": by_cause(self.delay_by, self.service),
+            "limit_thread_seconds": self.limit_seconds,
             "runq_thread_seconds": self.runq_wait_seconds,
             "runq_wait_seconds": self.runq_wait_seconds,
             "preemptions": self.preemptions,
@@ -65,6 +72,13 @@ class RequestSched:
 MAX_THREADS_SHOWN = 10
 
 
+def delay_by_dicts(delay_by: Sequence[tuple[str, float]], own: str) -> list[dict]:
+    """(culprit, seconds) as the REQUEST document's delay_by[] entries: who,
+    and the cause (agent/attribution/causes.py); the CPU limit is shown under
+    the service whose limit it is."""
+    return [{"service": culprit_service(s, own), "cause": cause_of(s, own), "seconds": w} for s, w in delay_by]
+
+
 @dataclass(frozen=True)
 class PhaseDelay:
     """The scheduling delay inside one phase of a request (queued, prefill, decode)."""
@@ -74,10 +88,12 @@ class PhaseDelay:
     end: float
     delay_seconds: float
     delay_by: tuple[tuple[str, float], ...]
+    service: str = ""
 
     def as_dict(self) -> dict:
         return {"phase": self.phase, "start": self.start, "end": self.end, "delay_seconds": self.delay_seconds,
-                "delay_by": [{"service": s, "seconds": w} for s, w in self.delay_by]}
+                "delay_by": delay_by_dicts(self.delay_by, self.service),
+                "delay_by_cause": by_cause(self.delay_by, self.service)}
 
 
 def _ranked(by: dict[str, float]) -> tuple[tuple[str, float], ...]:
@@ -120,7 +136,7 @@ class IntervalSched:
         return latest.end if latest else 0.0
 
     def between(self, service: str, start: float, end: float) -> RequestSched:
-        runq = iowait = 0.0
+        runq = iowait = limit = 0.0
         preemptions = migrations = 0.0
         by: dict[str, float] = {}
         behind: dict[str, float] = {}
@@ -132,15 +148,17 @@ class IntervalSched:
             share = overlap / (rec.end - rec.start)
             runq += figures.runq.sum_seconds * share
             iowait += figures.iowait.sum_seconds * share
+            limit += figures.limited.wait_ns / 1e9 * share
             migrations += figures.migrations * share
             for culprit, p in figures.preempted_by.items():
                 preemptions += p.count * share
                 by[culprit] = by.get(culprit, 0.0) + p.wait_ns / 1e9 * share
             for holder, p in figures.waited_behind.items():
                 behind[holder] = behind.get(holder, 0.0) + p.wait_ns / 1e9 * share
-        delay, delay_by = capped_delay(runq, by, behind, end - start)
+        delay, delay_by = capped_delay(runq, by, behind, end - start, limit)
         return RequestSched(runq, round(preemptions), _ranked(by), iowait, round(migrations), self._interval,
-                            _ranked(behind), delay_seconds=delay, delay_by=delay_by)
+                            _ranked(behind), delay_seconds=delay, delay_by=delay_by, service=service,
+                            limit_seconds=limit)
 
 
     def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
@@ -153,16 +171,16 @@ def phases_between(source: RequestSchedSource, service: str,
     out = []
     for phase, start, end in phases:
         got = source.between(service, start, end)
-        out.append(PhaseDelay(phase, start, end, got.delay_seconds, got.delay_by))
+        out.append(PhaseDelay(phase, start, end, got.delay_seconds, got.delay_by, service))
     return tuple(out)
 
 
 def capped_delay(runq: float, preempted_by: dict[str, float], behind: dict[str, float],
-                 duration: float) -> tuple[float, tuple[tuple[str, float], ...]]:
+                 duration: float, limit: float = 0.0) -> tuple[float, tuple[tuple[str, float], ...]]:
     """Without per-wait events the critical path cannot be drawn: the delay is
     the thread-seconds capped at the request's duration (an upper bound), split
-    like the waits."""
-    split: dict[str, float] = {}
+    like the waits (`limit`: the part the service's own CPU limit held)."""
+    split: dict[str, float] = {CPU_LIMIT: limit} if limit > 0 else {}
     for name, wait in list(preempted_by.items()) + list(behind.items()):
         split[name] = split.get(name, 0.0) + wait
     rest = runq - sum(split.values())
@@ -293,7 +311,8 @@ class EventSched:
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
                             by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)
                                                        for tid, w in waits.items()}),
-                            delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical))
+                            delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical),
+                            service=service, limit_seconds=f.limit_ns / 1e9)
 
     def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
         """The delay inside each phase window (Unix seconds) of one request."""
@@ -314,15 +333,18 @@ class EventSched:
             clipped = {tid: [(max(s, lo), min(e, hi), c) for s, e, c in w if e > lo and s < hi]
                        for tid, w in waits.items()}
             d = critical_delay(clipped, critical, own=service)
-            out.append(PhaseDelay(phase, a, b, d.seconds, d.by))
+            out.append(PhaseDelay(phase, a, b, d.seconds, d.by, service))
         return tuple(out)
 
     def _blamed(self, waits: dict[int, list[tuple[int, int, int, int]]]) -> dict[int, list[tuple[int, int, str]]]:
         return {tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in w] for tid, w in waits.items()}
 
     def _culprit(self, kind: int, other: int) -> str:
-        """Who kept the CPU from a wait: the preemptor, or whoever held the CPU
-        the thread woke up to (`idle`: nobody)."""
+        """Who kept the CPU from a wait: the service's own CPU limit for the
+        part it held, the preemptor, or whoever held the CPU the thread woke
+        up to (`idle`: nobody)."""
+        if kind == EV_LIMIT:
+            return CPU_LIMIT
         if other:
             return self._service_of(other)
         return UNKNOWN_SERVICE if kind == EV_PREEMPTED else IDLE

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from agent.attribution.causes import CPU_LIMIT_CAUSE, IDLE_CAUSE, KERNEL_CAUSE, NEIGHBOUR, OWN_THREADS, cause_of
 from agent.attribution.request_sched import RequestSched
 from agent.attribution.request_span import RequestSpan
 from agent.attribution.slo import REQUEST_SLOS, judge_request
 from agent.config import Slo
 from agent.durations import fmt_seconds
-from agent.store.store import IDLE, UNKNOWN_SERVICE
 
 __all__ = [
     "Cause",
@@ -36,28 +36,29 @@ SIGNIFICANT_SHARE = 0.05
 
 @dataclass(frozen=True)
 class Cause:
-    # "contention" (a culprit preempted the service or held the CPU it woke up
-    # to), "wakeup" (wake-up latency on an idle CPU), "runq" (wait with no
-    # culprit recorded) or "iowait"
+    # a cause of agent/attribution/causes.py (neighbour, cpu_limit,
+    # own_threads, kernel, idle, unknown), or "iowait"
     kind: str
     seconds: float
-    culprit: str | None = None
+    culprit: str | None = None   # the service that held the CPU (neighbour, own_threads, kernel)
+
+    @property
+    def contention(self) -> bool:
+        """A service held the CPU: the request's culprits."""
+        return self.kind in (NEIGHBOUR, OWN_THREADS, KERNEL_CAUSE)
 
 
-def causes(sched: RequestSched) -> list[Cause]:
-    """What the request lost, split into causes, largest first: its delay
-    (wall-clock, on the request's critical path) by who kept the CPU, then
-    the I/O wait."""
+def causes(sched: RequestSched, service: str | None = None) -> list[Cause]:
+    """What the request of `service` lost, split into causes, largest first:
+    its delay (wall-clock, on the request's critical path) by who or what
+    kept the CPU, then the I/O wait."""
+    own = sched.service or service or ""
     out = []
     for culprit, seconds in sched.delay_by:
         if seconds <= 0:
             continue
-        if culprit == IDLE:
-            out.append(Cause("wakeup", seconds))
-        elif culprit == UNKNOWN_SERVICE:
-            out.append(Cause("runq", seconds))   # no culprit recorded
-        else:
-            out.append(Cause("contention", seconds, culprit))
+        kind = cause_of(culprit, own)
+        out.append(Cause(kind, seconds, culprit if kind in (NEIGHBOUR, OWN_THREADS, KERNEL_CAUSE) else None))
     if sched.iowait_seconds > 0:
         out.append(Cause("iowait", sched.iowait_seconds))
     out.sort(key=lambda c: c.seconds, reverse=True)
@@ -83,31 +84,54 @@ def phase_windows(span: RequestSpan) -> list[tuple[str, float, float]]:
     return out
 
 
-def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None) -> str:
-    """One sentence naming the largest scheduling cause of the request's latency."""
+def limit_words(limits: list[dict]) -> str:
+    """Where the service's CPU limit is set, as the verdict names it."""
+    if not limits:
+        return "its own CPU limit"
+    named = "; ".join(f"{lim['setting']}, {lim['cpus']:.3g} CPU, on "
+                      + (f"the {lim['level']}'s cgroup" if lim["level"] != "cgroup" else lim["cgroup"])
+                      for lim in limits)
+    return f"its own CPU limit ({named})"
+
+
+def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None,
+            limits: list[dict] | None = None) -> str:
+    """One sentence naming the largest scheduling cause of the request's
+    latency, and what would change it. Shares are of the request's window,
+    the span's start to end, over which the delay is measured (vLLM's own e2e
+    attribute can be a little shorter)."""
     if service is None:
         return ("no scheduling figures: the span's resource names no process, container or service "
                 "this agent knows (set process.pid or service.name)")
     if sched is None:
         return f"no scheduling figures for {service} over this request yet"
-    ranked = causes(sched)
+    ranked = causes(sched, service)
     if not ranked or (ranked[0].seconds < SIGNIFICANT_SECONDS
                       and ranked[0].seconds < SIGNIFICANT_SHARE * max(span.e2e, 1e-9)):
         return f"no significant scheduling delay (waited for a CPU {fmt_seconds(sched.delay_seconds)})"
     top = ranked[0]
-    share = f"{top.seconds / span.e2e:.0%} of {fmt_seconds(span.e2e)} end to end" if span.e2e > 0 else \
+    window = span.end - span.start
+    share = f"{min(1.0, top.seconds / window):.0%} of {fmt_seconds(window)} end to end" if window > 0 else \
         "of a request of no measurable duration"
-    if top.kind == "contention" and top.culprit == service:
+    advice = ""
+    if top.kind == CPU_LIMIT_CAUSE:
+        what = limit_words(limits or [])
+        advice = "; raise or remove the limit, or give the service less work per CPU"
+    elif top.kind == OWN_THREADS:
         what = f"run-queue wait behind its own threads ({service})"
-    elif top.kind == "contention":
+        advice = "; it runs more runnable threads than the CPUs it gets"
+    elif top.kind == NEIGHBOUR:
         what = f"CPU contention from {top.culprit}"
-    elif top.kind == "wakeup":
+        advice = f"; give {service} more CPU weight (requests) than {top.culprit}, or keep them apart"
+    elif top.kind == KERNEL_CAUSE:
+        what = "kernel threads holding the CPU"
+    elif top.kind == IDLE_CAUSE:
         what = "wake-up latency on idle CPUs"
-    elif top.kind == "runq":
-        what = "run-queue wait without a recorded culprit"
-    else:
+    elif top.kind == "iowait":
         what = "I/O wait (D state)"
-    return f"{what} added {fmt_seconds(top.seconds)} ({share})"
+    else:
+        what = "run-queue wait without a recorded culprit"
+    return f"{what} added {fmt_seconds(top.seconds)} ({share}){advice}"
 
 
 def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:
@@ -116,7 +140,7 @@ def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[d
 
 
 def request_document(span: RequestSpan, service: str | None, how: str, sched: RequestSched | None,
-                     slo: list[dict], complete: bool) -> dict:
+                     slo: list[dict], complete: bool, limits: list[dict] | None = None) -> dict:
     """The SPEC's REQUEST JSON (plus a few added fields)."""
     return {
         "request_id": span.request_id,
@@ -135,7 +159,7 @@ def request_document(span: RequestSpan, service: str | None, how: str, sched: Re
                    "max": span.max_tokens},
         "model": span.model,
         "finish_reasons": list(span.finish_reasons),
-        "sched": sched.as_dict() if sched is not None else None,
+        "sched": {**sched.as_dict(), "limits": limits or []} if sched is not None else None,
         "sched_resolution_seconds": sched.resolution_seconds if sched is not None else None,
         # False when the figures were taken before the kernel side covered the
         # whole request (the source fell behind); they may then be low.
@@ -143,6 +167,6 @@ def request_document(span: RequestSpan, service: str | None, how: str, sched: Re
         "slo": slo,
         # who delayed the request the most, preempting its work or holding the CPU it woke up to
         "culprits": [{"service": c.culprit, "wait_seconds": c.seconds}
-                     for c in (causes(sched) if sched is not None else []) if c.kind == "contention"],
-        "verdict": verdict(span, sched, service),
+                     for c in (causes(sched, service) if sched is not None else []) if c.contention],
+        "verdict": verdict(span, sched, service, limits),
     }

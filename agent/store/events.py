@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.probe.snapshot import EV_IOWAIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent, event_rows
+from agent.probe.snapshot import EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent, event_rows
 
 
 @dataclass
@@ -149,6 +149,9 @@ class WindowFigures:
     behind: dict[int, int]         # CPU holder cgroup id (0: idle) -> wait ns after wakeups
     iowait_ns: int
     migrations: int
+    # of runq_wait_ns, the part the service's own CPU limit held (EV_LIMIT:
+    # a piece of a wait whose rest is counted in runq_count)
+    limit_ns: int = 0
 
 
 class EventLog:
@@ -169,7 +172,7 @@ class EventLog:
         if not len(rows):
             return
         rows = rows[np.argsort(rows["end_ns"], kind="stable")]
-        runq = rows[np.isin(rows["kind"], (EV_RUNQ, EV_PREEMPTED)) & (rows["tid"] != 0)]
+        runq = rows[np.isin(rows["kind"], (EV_RUNQ, EV_PREEMPTED, EV_LIMIT)) & (rows["tid"] != 0)]
         with self._lock:
             for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
                 self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"])
@@ -218,7 +221,7 @@ class EventLog:
 
     def between(self, cgids: set[int], start_ns: int, end_ns: int) -> WindowFigures:
         """Figures of the cgroups' events clipped to [start_ns, end_ns]."""
-        runq = runq_count = iowait = preemptions = migrations = 0
+        runq = runq_count = iowait = preemptions = migrations = limit = 0
         by: dict[int, int] = {}
         behind: dict[int, int] = {}
         with self._lock:
@@ -243,7 +246,10 @@ class EventLog:
                         runq += total
                         runq_count += count
                         behind[other] = behind.get(other, 0) + total
-        return WindowFigures(runq, runq_count, preemptions, by, behind, iowait, migrations)
+                    elif kind == EV_LIMIT:
+                        runq += total
+                        limit += total
+        return WindowFigures(runq, runq_count, preemptions, by, behind, iowait, migrations, limit)
 
     def thread_waits(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, list[tuple[int, int, int, int]]]:
         """tid -> the run-queue waits (start, end, kind, other cgroup) of the

@@ -35,6 +35,9 @@ from agent.store.table import OTHER_CULPRITS, ServiceInterval, ServiceTable, fol
 UNKNOWN_SERVICE = "unknown"
 # Holder of a CPU that was idle until the waiting task got it.
 IDLE = "idle"
+# What held the part of a wait during which the waiter's own CPU limit
+# throttled it (the kernel's EV_LIMIT events): no service, its own limit.
+CPU_LIMIT = "cpu_limit"
 # Intervals younger than FINE_S seconds are kept one by one; older ones are
 # merged into one record per BLOCK_S seconds.
 FINE_S = 120.0

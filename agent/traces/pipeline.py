@@ -23,7 +23,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -93,6 +94,7 @@ class RequestPipeline:
         sink: SpanSink | None = None,
         *,
         rules: RequestRules | None = None,
+        cpu_limits: Callable[[str], Sequence[Any]] = lambda service: (),
         max_pending: int = 50_000,
         max_pending_bytes: int = 64 * MiB,
         max_attribute_length: int = 8192,
@@ -101,6 +103,7 @@ class RequestPipeline:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._sched = sched
+        self._cpu_limits = cpu_limits   # service -> its CPU limits (objects with as_dict())
         self._services = services
         self._slos = tuple(slos)
         self.store = store
@@ -237,7 +240,8 @@ class RequestPipeline:
                 self.counters.add_attribution_error()
                 log.exception("scheduling figures for request %s failed", span.request_id)
         slo = judge(span, self._slos, service)
-        doc = request_document(span, service, item.origin.how, sched, slo, complete)
+        limits = [limit.as_dict() for limit in self._cpu_limits(service)] if service is not None else []
+        doc = request_document(span, service, item.origin.how, sched, slo, complete, limits)
         self.store.add(doc)
         self.counters.add_request(doc["service"], sched.delay_seconds if sched else None, slo, span.end)
         if self._sink is not None and item.proto is not None:

@@ -9,7 +9,8 @@ the cgroup map and the scheduler source) and closes it on shutdown.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from agent.attribution.request_sched import RequestSchedSource
 from agent.config import Config
@@ -61,6 +62,7 @@ class Traces:
         pods: PodIndex | None = None,
         access: WebAccess | None = None,
         subscribers: ConfigSubscribers | None = None,
+        cpu_limits: Callable[[str], Sequence[Any]] = lambda service: (),
     ) -> None:
         self.counters = TraceCounters(bounds=classic_bounds(config.buckets_per_octave))
         self.store = RequestStore(config.retention, on_evict=self.counters.add_store_evicted)
@@ -74,7 +76,8 @@ class Traces:
                                           relays=config.otlp_relays, host=ThisHost.read())
         self.pipeline = RequestPipeline(
             sched, self.span_services, config.slos, self.store, self.counters,
-            self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules))
+            self.forwarder, max_wait_s=max(10.0, 5 * config.interval), rules=RequestRules(spans.servers, spans.rules),
+            cpu_limits=cpu_limits)
         if subscribers is not None:  # a reload's SLOs judge requests finished from then on; relays trusted at once
             subscribers.subscribe("slos", self.pipeline.set_slos)
             subscribers.subscribe("otlp_relays", self.span_services.set_relays)

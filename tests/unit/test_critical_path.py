@@ -12,7 +12,7 @@ from agent.attribution.critical_path import critical_delay
 from agent.attribution.request_sched import EventSched, capped_delay
 from agent.attribution.request_span import RequestSpan
 from agent.attribution.requests import phase_windows
-from agent.probe.snapshot import EV_PREEMPTED, EV_RUNQ, SchedEvent
+from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, EV_RUNQ, SchedEvent
 from agent.store.events import EventLog
 
 MS = 1_000_000
@@ -119,7 +119,7 @@ def test_event_sched_counts_the_threads_named_like_their_process():
     assert got.delay_threads == 3
     doc = got.as_dict()
     assert doc["runq_thread_seconds"] == doc["runq_wait_seconds"] == got.runq_wait_seconds
-    assert doc["delay_by"][0] == {"service": "batch", "seconds": pytest.approx(0.0275, abs=2e-6)}
+    assert doc["delay_by"][0] == {"service": "batch", "cause": "neighbour", "seconds": pytest.approx(0.0275, abs=2e-6)}
     # The by-thread view still shows every thread's waits, the helper's first.
     assert got.by_thread[0][:3] == (100, "VLLM::EngineCor", "gloo_tcp_loop")
 
@@ -165,8 +165,12 @@ def test_the_delay_of_each_phase():
     assert sum(p.delay_seconds for p in phases) == pytest.approx(whole.delay_seconds)
     assert phases[1].as_dict() == {"phase": "prefill", "start": start + 0.010, "end": start + 0.040,
                                    "delay_seconds": pytest.approx(0.020, abs=2e-6),
-                                   "delay_by": [{"service": "batch", "seconds": pytest.approx(0.0175, abs=2e-6)},
-                                                {"service": "idle", "seconds": pytest.approx(0.0025, abs=2e-6)}]}
+                                   "delay_by": [{"service": "batch", "cause": "neighbour",
+                                                 "seconds": pytest.approx(0.0175, abs=2e-6)},
+                                                {"service": "idle", "cause": "idle",
+                                                 "seconds": pytest.approx(0.0025, abs=2e-6)}],
+                                   "delay_by_cause": {"neighbour": pytest.approx(0.0175, abs=2e-6),
+                                                      "idle": pytest.approx(0.0025, abs=2e-6)}}
 
 
 def test_explain_draws_each_phases_cpu_wait_under_it():
@@ -190,3 +194,38 @@ def test_explain_draws_each_phases_cpu_wait_under_it():
     # The decode's wait is drawn where the decode is: from 20% of the way.
     bar = timeline(doc, width=10)[5][1]
     assert bar.plain == "··████····"
+
+
+def test_the_part_of_a_wait_the_services_own_limit_held_is_its_own_cause():
+    """A limited engine loop: the kernel splits each throttled wait into the
+    limit's part (EV_LIMIT) and the rest, after the limit lifted, charged to
+    whoever then held the CPU (idle here, batch for the second wait)."""
+    names = {100: (100, "VLLM::EngineCor", "VLLM::EngineCor"), 101: (100, "VLLM::EngineCor", "VLLM::EngineCor")}
+    log = EventLog(retention_ns=10**15)
+    base = time.monotonic_ns() - 200 * MS
+    log.add([SchedEvent(10, EV_LIMIT, base + 10 * MS, base + 40 * MS, 10, 100),    # throttled 30 ms
+             SchedEvent(10, EV_RUNQ, base + 40 * MS, base + 41 * MS, 0, 100),      # then woke to an idle CPU
+             SchedEvent(10, EV_LIMIT, base + 12 * MS, base + 40 * MS, 10, 101),    # the other thread, as long
+             SchedEvent(10, EV_RUNQ, base + 40 * MS, base + 42 * MS, 10, 101),     # then behind the first
+             SchedEvent(10, EV_PREEMPTED, base + 60 * MS, base + 70 * MS, 11, 100),
+             SchedEvent(10, EV_LIMIT, base + 70 * MS, base + 90 * MS, 10, 100)])   # throttled on the way
+    service_of = {10: "vllm", 11: "batch"}.__getitem__
+    sched = EventSched(log, lambda s: {10}, service_of, Fallback(), thread_names=names.get)
+    sched.pin({"vllm"})
+    sched.watched_cgroups()
+    sched._watching["vllm"] = 0.0
+    start = (base + time.time_ns() - time.monotonic_ns()) / 1e9
+    got = sched.between("vllm", start, start + 0.100)
+    # Thread-seconds: 30 + 1 + 28 + 2 + 10 + 20 = 91 ms, of which 78 ms the limit's.
+    assert got.runq_wait_seconds == pytest.approx(0.091, abs=2e-6)
+    assert got.limit_seconds == pytest.approx(0.078, abs=2e-6)
+    # Delay: [10, 42] + [60, 90] = 62 ms: the limit 30 + 20, idle 0.5 (40-41 shared with 101's own wait),
+    # 101 behind its own thread 0.5 + 1, batch 10.
+    assert got.delay_seconds == pytest.approx(0.062, abs=2e-6)
+    doc = got.as_dict()
+    assert doc["delay_by_cause"] == {"cpu_limit": pytest.approx(0.050, abs=2e-6),
+                                     "neighbour": pytest.approx(0.010, abs=2e-6),
+                                     "own_threads": pytest.approx(0.0015, abs=2e-6),
+                                     "idle": pytest.approx(0.0005, abs=2e-6)}
+    assert doc["delay_by"][0] == {"service": "vllm", "cause": "cpu_limit", "seconds": pytest.approx(0.050, abs=2e-6)}
+    assert sum(d["seconds"] for d in doc["delay_by"]) == pytest.approx(got.delay_seconds)

@@ -233,9 +233,9 @@ def test_property_json_bodies_decode_or_refuse_cleanly(doc):
 
 # --- verdicts and SLOs ------------------------------------------------------------
 
-def span(e2e: float = 1.8, ttft: float | None = 0.4) -> RequestSpan:
-    return RequestSpan("cmpl-42", "ab" * 16, "cd" * 8, None, 100.0, 100.0 + e2e, e2e, ttft=ttft, queue=0.05,
-                       prefill=0.3, decode=1.4)
+def span(e2e: float = 1.8, ttft: float | None = 0.4, duration: float | None = None) -> RequestSpan:
+    return RequestSpan("cmpl-42", "ab" * 16, "cd" * 8, None, 100.0, 100.0 + (e2e if duration is None else duration),
+                       e2e, ttft=ttft, queue=0.05, prefill=0.3, decode=1.4)
 
 
 def sched(delay: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 0.0,
@@ -252,8 +252,9 @@ def sched(delay: float, by: tuple[tuple[str, float], ...] = (), iowait: float = 
 def test_verdict_names_the_largest_culprit_with_its_share():
     s = sched(0.42, (("batch/etl", 0.38), ("host", 0.02)))
     # The delay (0.38 s of 0.42), not the thread-seconds (4x as much), in the sentence.
-    assert verdict(span(), s, "vllm") == "CPU contention from batch/etl added 0.38 s (21% of 1.80 s end to end)"
-    assert [c.kind for c in causes(s)] == ["contention", "contention", "runq"]
+    assert verdict(span(), s, "vllm") == ("CPU contention from batch/etl added 0.38 s (21% of 1.80 s end to end); "
+                                          "give vllm more CPU weight (requests) than batch/etl, or keep them apart")
+    assert [c.kind for c in causes(s, "vllm")] == ["neighbour", "neighbour", "unknown"]
     assert causes(s)[2].seconds == pytest.approx(0.02)
 
 
@@ -263,12 +264,39 @@ def test_the_delay_by_culprit_names_idle_and_self():
     # the service's own threads.
     s = RequestSched(1.9, 5, (("batch", 0.4),), 0.0, 1, 1e-6, waited_behind=(("batch", 1.0), ("idle", 0.2)),
                      delay_seconds=0.42, delay_by=(("batch", 0.35), ("idle", 0.05), ("vllm", 0.02)))
-    assert [(c.kind, c.culprit, round(c.seconds, 3)) for c in causes(s)] == [
-        ("contention", "batch", 0.35), ("wakeup", None, 0.05), ("contention", "vllm", 0.02)]
-    assert verdict(span(), s, "vllm") == "CPU contention from batch added 0.35 s (19% of 1.80 s end to end)"
+    assert [(c.kind, c.culprit, round(c.seconds, 3)) for c in causes(s, "vllm")] == [
+        ("neighbour", "batch", 0.35), ("idle", None, 0.05), ("own_threads", "vllm", 0.02)]
+    assert verdict(span(), s, "vllm").startswith("CPU contention from batch added 0.35 s (19% of 1.80 s end to end)")
     only_self = RequestSched(0.9, 0, (), 0.0, 0, 1e-6, waited_behind=(("vllm", 0.9),),
                              delay_seconds=0.3, delay_by=(("vllm", 0.3),))
     assert verdict(span(), only_self, "vllm").startswith("run-queue wait behind its own threads")
+
+
+def test_the_services_own_cpu_limit_is_a_cause_named_with_its_setting():
+    # 0.19 s of the delay was the limit's part of the waits (the kernel's
+    # EV_LIMIT pieces), 0.02 s woke to an idle CPU once the limit lifted.
+    s = RequestSched(0.5, 0, (), 0.0, 0, 1e-6, delay_seconds=0.21, delay_by=(("cpu_limit", 0.19), ("idle", 0.02)),
+                     service="vllm", limit_seconds=0.45)
+    limit = {"cgroup": "/kubepods/burstable/pod1234", "setting": "cpu.max 50000 100000", "quota_seconds": 0.05,
+             "period_seconds": 0.1, "cpus": 0.5, "level": "pod"}
+    assert [(c.kind, c.culprit) for c in causes(s)] == [("cpu_limit", None), ("idle", None)]
+    assert verdict(span(), s, "vllm", [limit]) == (
+        "its own CPU limit (cpu.max 50000 100000, 0.5 CPU, on the pod's cgroup) added 0.19 s "
+        "(11% of 1.80 s end to end); raise or remove the limit, or give the service less work per CPU")
+    doc = request_document(span(), "vllm", "connection", s, [], True, [limit])
+    assert doc["sched"]["delay_by"] == [{"service": "vllm", "cause": "cpu_limit", "seconds": 0.19},
+                                        {"service": "idle", "cause": "idle", "seconds": 0.02}]
+    assert doc["sched"]["delay_by_cause"] == {"cpu_limit": 0.19, "idle": 0.02}
+    assert doc["sched"]["limits"] == [limit] and doc["culprits"] == []
+    # Where the limit is not known, it is still named as the cause.
+    assert verdict(span(), s, "vllm").startswith("its own CPU limit added 0.19 s")
+
+
+def test_shares_are_of_the_requests_window_and_never_above_all_of_it():
+    # vLLM's own e2e attribute (0.806 s) can be shorter than the span's window
+    # (0.818 s) the delay is measured over: the share is of the window.
+    s = RequestSched(2.0, 0, (), 0.0, 0, 1e-6, delay_seconds=0.812, delay_by=(("batch", 0.812),), service="vllm")
+    assert "(99% of 0.82 s end to end)" in verdict(span(e2e=0.806, duration=0.818), s, "vllm")
 
 
 def test_verdict_other_causes_and_noise():
@@ -297,8 +325,10 @@ def test_request_document_has_the_spec_shape():
     assert {"request_id", "trace_id", "service", "start", "end", "e2e", "ttft", "queue", "sched", "slo",
             "verdict"} <= set(doc)
     assert doc["sched"] == {"delay_seconds": 0.21,
-                            "delay_by": [{"service": "batch", "seconds": 0.19},
-                                         {"service": "unknown", "seconds": pytest.approx(0.02)}],
+                            "delay_by": [{"service": "batch", "cause": "neighbour", "seconds": 0.19},
+                                         {"service": "unknown", "cause": "unknown", "seconds": pytest.approx(0.02)}],
+                            "delay_by_cause": {"neighbour": 0.19, "unknown": pytest.approx(0.02)},
+                            "limit_thread_seconds": 0.0, "limits": [],
                             "runq_thread_seconds": 0.84, "runq_wait_seconds": 0.84, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.76}],
                             "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": [],
