@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.attribution.blame import blame
+from agent.attribution.causes import tail_share, wait_by_cause
 from agent.attribution.slo import judge_slos
 from agent.attribution.verdict import verdict
 from agent.config import Slo
@@ -46,6 +47,15 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
             # full kernel map dropped some, and the quantiles may read low.
             "coverage": figures.coverage,
             "lost": figures.lost_runq.count,
+            # The wait by cause (agent/attribution/causes.py), largest first.
+            "by_cause": wait_by_cause(service, figures),
+        },
+        # The part of the waits the service's own CPU limit held, measured
+        # per wait, and the share of the waits at or above the P99 it held in part.
+        "cpu_limit": {
+            "count": figures.limited.count,
+            "wait_seconds": figures.limited.wait_ns / 1e9,
+            "p99_share": tail_share(runq, figures.runq_limited, 0.99),
         },
         "preemption": {
             "count": preempt_count,

@@ -6,9 +6,13 @@ Blame is a split of the service's measured delay by measured time, never by
 fixed weights. The delay is its run-queue wait plus its D-state wait. The
 run-queue wait is divided into:
 
-- own-quota throttling: the cgroup's throttled time from cpu.stat, capped at
-  the run-queue wait (a throttled task is runnable but dequeued, so its
-  throttled time is run-queue wait; the kernel measured it directly);
+- own-quota throttling: the part of each wait the service's own CPU limit
+  held, measured per wait by the kernel programs (raw and BTF-typed
+  tracepoints; the rest of those waits is in the blame pairs already). Where
+  no wait was measured so (classic tracepoints, figures read back from an
+  older Prometheus), the cgroup's throttled time from cpu.stat stands in,
+  capped at the run-queue wait: the wall time the group was throttled, not
+  the waits of its threads, so only an estimate;
 - waits after preemptions, by the service that took the CPU (the same
   service, a neighbour, or kernel/unknown — the idle task included). A
   throttled task is switched out as if preempted, so the throttled time is
@@ -69,27 +73,38 @@ def blame(service: str, figures: Any, throttled_seconds: float = 0.0) -> dict:
         throttled_seconds=throttled_seconds,
         behind={name: p.wait_ns / 1e9 for name, p in figures.waited_behind.items()},
         unattributed_seconds=figures.lost_blame.wait_ns / 1e9,
+        limited_seconds=figures.limited.wait_ns / 1e9,
     )
 
 
 def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: Mapping[str, float],
                       throttled_seconds: float = 0.0, behind: Mapping[str, float] | None = None,
-                      unattributed_seconds: float = 0.0) -> dict:
+                      unattributed_seconds: float = 0.0, limited_seconds: float = 0.0) -> dict:
     """blame() on plain totals, so figures read back from Prometheus are split
     by exactly the same rule as the agent's own.
 
     unattributed_seconds: run-queue wait whose culprit the kernel could not
     record (a full blame map). It stays an explicit share: the known culprits
-    are not scaled up to cover it."""
+    are not scaled up to cover it.
+
+    limited_seconds: the part of the waits the service's own CPU limit held,
+    measured per wait; the pairs hold only the rest of those waits. When
+    zero, throttled_seconds (cpu.stat) stands in, taken out of the
+    preemptions, whose waits include it."""
     wait = runq_wait
     raw_total = sum(preempted.values())
     # Pair waits and the histogram sum come from the same switch-ins, but a
     # map update can fail on one side only: never let the parts exceed the whole.
     preempted_total = min(raw_total, wait)
-    throttled = min(max(throttled_seconds, 0.0), wait)
-    from_preempt = min(throttled, preempted_total)
-    keep = (preempted_total - from_preempt) / raw_total if raw_total else 0.0
-    wakeup = max(0.0, wait - preempted_total - (throttled - from_preempt))
+    measured = limited_seconds > 0
+    throttled = min(max(limited_seconds if measured else throttled_seconds, 0.0), wait)
+    if measured:
+        keep = min(1.0, (wait - throttled) / raw_total) if raw_total else 0.0
+        wakeup = max(0.0, wait - throttled - raw_total * keep)
+    else:
+        from_preempt = min(throttled, preempted_total)
+        keep = (preempted_total - from_preempt) / raw_total if raw_total else 0.0
+        wakeup = max(0.0, wait - preempted_total - (throttled - from_preempt))
     unattributed = min(max(unattributed_seconds, 0.0), wakeup)
     wakeup -= unattributed
     delay = wait + iowait
@@ -102,7 +117,7 @@ def blame_from_totals(service: str, runq_wait: float, iowait: float, preempted: 
               for name, s in preempted.items() if s * keep > 0]
     if throttled > 0:
         shares.append({"cause": "throttling", "kind": "own_quota", "seconds": throttled,
-                       "share": share(throttled)})
+                       "share": share(throttled), "measured": "per_wait" if measured else "cpu.stat"})
     behind_total = sum(behind.values()) if behind else 0.0
     if wakeup > 0 and behind_total > 0:
         # Holder waits and the histogram come from the same switch-ins; scale

@@ -19,12 +19,14 @@ Pure: names in, names out.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from agent.probe.layout import CAUSES
+from agent.store.histogram import slot_of
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE
 
 __all__ = ["CAUSES", "CPU_LIMIT_CAUSE", "IDLE_CAUSE", "KERNEL_CAUSE", "NEIGHBOUR", "OWN_THREADS", "UNKNOWN",
-           "cause_of", "culprit_service", "by_cause"]
+           "cause_of", "culprit_service", "by_cause", "wait_by_cause", "tail_share"]
 
 NEIGHBOUR, CPU_LIMIT_CAUSE, OWN_THREADS, KERNEL_CAUSE, IDLE_CAUSE, UNKNOWN = CAUSES
 
@@ -54,3 +56,24 @@ def by_cause(delay_by: Iterable[tuple[str, float]], own: str) -> dict[str, float
         cause = cause_of(culprit, own)
         out[cause] = out.get(cause, 0.0) + seconds
     return dict(sorted(out.items(), key=lambda kv: kv[1], reverse=True))
+
+
+def wait_by_cause(service: str, figures: Any) -> dict[str, float]:
+    """A service's run-queue wait over a window (store figures) in seconds by
+    cause, largest first: the part its CPU limit held, the rest by who held
+    the CPU (after preemptions and after wake-ups), and what a full blame map
+    could not record as `unknown`."""
+    parts = [(CPU_LIMIT, figures.limited.wait_ns / 1e9), (UNKNOWN_SERVICE, figures.lost_blame.wait_ns / 1e9)]
+    for table in (figures.preempted_by, figures.waited_behind):
+        parts += [(name, p.wait_ns / 1e9) for name, p in table.items()]
+    return {cause: seconds for cause, seconds in by_cause(parts, service).items() if seconds > 0}
+
+
+def tail_share(runq: Any, limited: Any, q: float) -> float:
+    """Of the waits at or above the q-quantile's histogram slot, the share its
+    CPU limit held in part: 1.0 reads "the tail is all its own limit"."""
+    if not runq.count:
+        return 0.0
+    slot = slot_of(int(runq.quantile(q) * 1e9))
+    above = runq.count_from(slot)
+    return limited.count_from(slot) / above if above else 0.0

@@ -25,6 +25,9 @@ def verdict(record: Mapping[str, Any]) -> str:
     if broken:
         lead += " (" + ", ".join(f"{s['name']} {fmt_seconds(s['value'])} over its {fmt_seconds(s['target'])} target"
                                  for s in broken) + ")"
+    tail = record.get("cpu_limit", {}).get("p99_share", 0.0)
+    if tail >= 0.5:
+        lead += f", {_pct(tail)} of the waits at or above it held by its own CPU limit"
     if b["cause"] == "none":
         return f"{service}: no measurable scheduling or I/O delay in this window."
     kinds = b["kinds"]
@@ -37,7 +40,7 @@ def verdict(record: Mapping[str, Any]) -> str:
     named = " and ".join(f"{c['service']} ({fmt_seconds(c['seconds'])}, {_pct(c['share'])})" for c in neighbours[:2])
     cause = b["cause"]
     if cause == "own_quota":
-        body = (f"starved by its own CPU quota, throttled {fmt_seconds(kinds['own_quota']['seconds'])} "
+        body = (f"starved by its own CPU limit, which held its threads {fmt_seconds(kinds['own_quota']['seconds'])} "
                 f"= {_pct(part('own_quota'))} of its {delay} delay, while neighbours account for "
                 f"{_pct(part('neighbour'))}")
     elif cause == "neighbours":

@@ -215,6 +215,10 @@ class Histogram(Mapping[int, Bucket]):
         b = Bucket(int(self._counts[i]), int(self._sums[i]))
         return _value_in_slot(int(self._slots[i]), b, rank - before) / _NS_PER_S
 
+    def count_from(self, slot: int) -> int:
+        """Count of samples in `slot` and the slots above it."""
+        return int(self._counts[np.searchsorted(self._slots, slot):].sum())
+
     def cumulative_at(self, bounds_ns: np.ndarray) -> np.ndarray:
         """Count of samples in slots that lie wholly below each bound."""
         his = _SLOT_HI[self._slots]
