@@ -96,7 +96,7 @@ def trace_scrape_text() -> str:
     counters = TraceCounters()
     counters.add_received("grpc", 3)
     counters.add_rejected("http", "malformed")
-    counters.add_request("vllm", 0.01, [], 0.0)
+    counters.add_request("vllm", 0.01, [], 0.0, [{"service": "batch", "cause": "neighbour", "seconds": 0.01}])
     counters.add_unresolved("remote_peer")
     counters.add_claim_ignored("service.name")
     counters.add_forwarded(1)

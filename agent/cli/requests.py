@@ -126,6 +126,21 @@ def _finite(value) -> float:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
+# How explain names each cause of a delay_by[] entry (docs/api.md).
+CAUSE_LABELS = {"cpu_limit": "  its own CPU limit", "own_threads": "  its own threads", "idle": "  idle CPU (wake-up)",
+                "unknown": "  no culprit known", "kernel": "  kernel threads"}
+
+
+def cause_label(by: dict, service: str | None) -> str:
+    """A delay_by[] entry's row label; an agent that sends no cause is read by its service."""
+    cause = by.get("cause")
+    if cause is None:
+        who = by["service"]
+        cause = ("idle" if who == "idle" else "own_threads" if who == service
+                 else "unknown" if who == "unknown" else "neighbour")
+    return CAUSE_LABELS.get(cause, f"  {by['service']}")
+
+
 def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
     """(label, bar, duration) rows: the request's phases, then how long its
     work waited for a CPU, by whom (drawn from the start: how much, not when)."""
@@ -144,9 +159,10 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
         if waited is not None and waited["delay_seconds"] > 0:
             # The phase's wait and its largest share, by name and seconds.
             top = waited["delay_by"][0] if waited["delay_by"] else None
+            named = "its own CPU limit" if top and top.get("cause") == "cpu_limit" else top["service"] if top else ""
             rows.append(("  of it, CPU wait", _bar(offset, waited["delay_seconds"], e2e, "red", width),
                          fmt_seconds(waited["delay_seconds"])
-                         + (f" ({top['service']} {fmt_seconds(top['seconds'])})" if top else "")))
+                         + (f" ({named} {fmt_seconds(top['seconds'])})" if top else "")))
         offset += value
     ttft = doc.get("ttft")
     if ttft is not None:
@@ -156,10 +172,7 @@ def timeline(doc: dict, width: int = BAR_WIDTH) -> list[tuple[str, Text, str]]:
         rows.append(("waited for a CPU", _bar(0, delay, e2e, "yellow", width), fmt_seconds(delay)))
     service = doc.get("service")
     for by in sched.get("delay_by") or []:
-        who = by["service"]
-        label = ("  idle CPU (wake-up)" if who == "idle" else "  its own threads" if who == service
-                 else "  no culprit known" if who == "unknown" else f"  {who}")
-        rows.append((label, _bar(0, by["seconds"], e2e, "red", width), fmt_seconds(by["seconds"])))
+        rows.append((cause_label(by, service), _bar(0, by["seconds"], e2e, "red", width), fmt_seconds(by["seconds"])))
     if sched:
         if sched.get("iowait_seconds"):
             rows.append(("I/O wait", _bar(0, sched["iowait_seconds"], e2e, "magenta", width),

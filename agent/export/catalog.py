@@ -47,6 +47,8 @@ class MetricSpec:
     # after `service`. agent/export/figures.py writes every such family the
     # same way: a series per service and field that is not zero.
     cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # What a cgroup_fields value is multiplied by (1e-9: a field of ns, a family of seconds).
+    cgroup_scale: float = 1.0
     # False for a family that stays empty while things are well (a full map's
     # losses): the series budget of a service (docs/metrics.md) leaves it out.
     in_budget: bool = True
@@ -82,12 +84,12 @@ class Catalog:
 
     def declare(self, name: str, type_: MetricType, help_: str, labels: tuple[str, ...] = (), *,
                 unit: str, source: str, openmetrics_unit: str = "",
-                cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = (), in_budget: bool = True,
-                read: Callable[[Any], Any] | None = None) -> MetricSpec:
+                cgroup_fields: tuple[tuple[str, tuple[str, ...]], ...] = (), cgroup_scale: float = 1.0,
+                in_budget: bool = True, read: Callable[[Any], Any] | None = None) -> MetricSpec:
         if type_ not in TYPES:
             raise ValueError(f"{name}: unknown metric type {type_!r}")
         spec = MetricSpec(name, type_, help_, tuple(labels), unit, source, openmetrics_unit, cgroup_fields,
-                          in_budget, read)
+                          cgroup_scale, in_budget, read)
         written = (name, *spec.exposed_names)
         for n in written:
             if n in self._owner:
@@ -155,6 +157,12 @@ THROTTLED = declare(
     "slatrace_cpu_throttled_seconds", "counter",
     "CPU-quota throttling of the service's cgroups (cpu.stat throttled_usec).",
     _SVC, unit="s", source="hook: Sources.throttled_seconds")
+CPU_LIMIT_WAIT = declare(
+    "slatrace_cpu_limit_wait_seconds", "counter",
+    "Run-queue wait the service's own CPU limit held (cpu.max, cpu.cfs_quota_us on its cgroup or an ancestor), "
+    "measured per wait by the kernel programs on raw and BTF-typed tracepoints: the cause cpu_limit of "
+    "slatrace_runq_wait_seconds_total; the rest of those waits is in the culprits' figures.",
+    _SVC, unit="s", source="store", cgroup_fields=(("limited_runq_ns", ()),), cgroup_scale=1e-9)
 # A summary rather than a gauge with a `quantile` label: the series are the
 # same (`...{quantile="0.99"}`), and it is the type Prometheus' own linter
 # accepts a `quantile` label on.
@@ -248,7 +256,8 @@ BUILD_INFO = declare(
     ("version",), unit="1", source="store")
 
 SCHEDULER: tuple[MetricSpec, ...] = (
-    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, RUNQ_QUANTILE,
+    RUNQ_LATENCY, RUNQ_WAIT, PREEMPTIONS, PREEMPTED_WAIT, WAKEUP_WAIT, IOWAIT, MIGRATIONS, THROTTLED, CPU_LIMIT_WAIT,
+    RUNQ_QUANTILE,
     SLO_BREACHES, SLO_TARGET, SLO_VALUE, SLO_OK, REQUEST_SCHED_DELAY, UNTRACED, RECOVERED, LOST_WAITS, BPF_EVENTS,
     BPF_RUN, BPF_MISSES, MAP_ERRORS, POLL_DURATION, POLL_ERRORS, WAITS_SEEN, WAITS_MISSING, SERVICES_TRACKED, INTERVALS,
     BUILD_INFO,
@@ -303,6 +312,13 @@ ATTRIBUTION_ERRORS = declare(
     "Requests whose scheduling figures could not be computed (or worker ticks that failed; each logged with "
     "its exception).",
     unit="1", source=_TRACES, read=lambda t: t.attribution_errors)
+REQUEST_DELAY_BY_CAUSE = declare(
+    "slatrace_request_delay_seconds", "counter",
+    "Scheduling delay of the service's requests (their sched.delay_seconds, added up), by cause (neighbour, "
+    "cpu_limit, own_threads, kernel, idle, unknown) and by who: the neighbour's service (the first 3 a "
+    "service meets; later ones as \"other\"), the service itself for its own threads and its own CPU limit, "
+    "kernel, idle or unknown.",
+    ("service", "cause", "culprit"), unit="s", source=_TRACES, read=lambda t: t.delay_by_cause)
 FORWARD_DROPPED = declare(
     "slatrace_otlp_forward_dropped_spans", "counter", "Spans not forwarded, by reason (queue_full, export_failed).",
     ("reason",), unit="1", source=_TRACES, read=lambda t: t.forward_dropped)
@@ -310,6 +326,7 @@ FORWARD_DROPPED = declare(
 TRACES: tuple[MetricSpec, ...] = (
     SPANS_RECEIVED, REJECTED_REQUESTS, SPANS_UNRESOLVED, CLAIMS_IGNORED, REQUESTS_ATTRIBUTED, REQUESTS_PENDING,
     PENDING_OVERFLOW, SPANS_FORWARDED, TRUNCATED_ATTRIBUTES, REQUESTS_EVICTED, ATTRIBUTION_ERRORS, FORWARD_DROPPED,
+    REQUEST_DELAY_BY_CAUSE,
 )
 
 # -- The inference engines' own figures: EngineCollector, from agent.traces.engines.EngineScraper.

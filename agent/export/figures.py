@@ -294,7 +294,7 @@ def compute(store: Store, sources: Sources = Sources(), now: float | None = None
         for spec in CGROUP_COUNTER_FAMILIES:
             for name, labels in spec.cgroup_fields:
                 if cnt[name]:
-                    points[spec.name].append(Point((s, *labels), cnt[name]))
+                    points[spec.name].append(Point((s, *labels), cnt[name] * spec.cgroup_scale))
 
     # Services given buckets (an SLO, a rule, `histograms`) keep every culprit too.
     every = np.array([name in with_buckets for name in totals.names], bool)

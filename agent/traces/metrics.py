@@ -15,8 +15,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from agent.attribution.slo import holds
 from agent.store.histogram import classic_bounds
@@ -28,6 +28,11 @@ __all__ = ["DelayBuckets", "TraceCounters", "TraceTotals"]
 SLO_WINDOW_S = 60.0
 # Requests kept per (service, SLO) for that judgement; beyond it, the oldest go.
 SLO_SAMPLES = 10_000
+# Neighbours named in a service's request delay by cause: the first ones seen
+# keep their label for good (a counter never moves to another series); later
+# ones are counted under "other".
+DELAY_CULPRITS = 3
+OTHER_CULPRITS = "other"
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class TraceTotals:
     store_evicted: int
     attribution_errors: int
     forward_dropped: Mapping[str, int]          # reason -> spans not forwarded
+    # (service, cause, culprit) -> seconds of request delay (docs/api.md delay_by[])
+    delay_by_cause: Mapping[tuple[str, str, str], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class TraceCounters:
         self.attribution_errors = 0                 # requests (or worker ticks) whose attribution raised
         self.unresolved: dict[str, int] = {}        # reason -> request spans with no service
         self.claims_ignored: dict[str, int] = {}    # resource attribute -> resources whose claim was ignored
+        self.delay_by_cause: dict[tuple[str, str, str], float] = {}  # (service, cause, culprit) -> seconds
+        self._named: dict[str, set[str]] = {}      # service -> the neighbours with a label of their own
 
     def add_received(self, transport: str, spans: int) -> None:
         with self._lock:
@@ -98,12 +107,24 @@ class TraceCounters:
         with self._lock:
             self.claims_ignored[attribute] = self.claims_ignored.get(attribute, 0) + 1
 
-    def add_request(self, service: str, delay_s: float | None, slo: list[dict], end: float) -> None:
+    def add_request(self, service: str, delay_s: float | None, slo: list[dict], end: float,
+                    delay_by: Sequence[Mapping] = ()) -> None:
         """One attributed request: its scheduling delay (wall-clock, on its
-        critical path) and its judged request SLOs (`{name, target, value,
-        ok}` as in the REQUEST document)."""
+        critical path), its split (`{service, cause, seconds}` as the REQUEST
+        document's delay_by[]) and its judged request SLOs (`{name, target,
+        value, ok}`)."""
         with self._lock:
             self.requests[service] = self.requests.get(service, 0) + 1
+            named = self._named.setdefault(service, set())
+            for by in delay_by:
+                culprit = by["service"]
+                if by["cause"] == "neighbour" and culprit not in named:
+                    if len(named) < DELAY_CULPRITS:
+                        named.add(culprit)
+                    else:
+                        culprit = OTHER_CULPRITS
+                key = (service, by["cause"], culprit)
+                self.delay_by_cause[key] = self.delay_by_cause.get(key, 0.0) + by["seconds"]
             for judged in slo:
                 key = (service, judged["name"])
                 if not judged["ok"]:
@@ -170,7 +191,8 @@ class TraceCounters:
                 claims_ignored=dict(self.claims_ignored), requests=dict(self.requests), pending=self.pending,
                 pending_dropped=self.pending_dropped, forwarded=self.forwarded,
                 truncated_attributes=self.truncated_attributes, store_evicted=self.store_evicted,
-                attribution_errors=self.attribution_errors, forward_dropped=dict(self.forward_dropped))
+                attribution_errors=self.attribution_errors, forward_dropped=dict(self.forward_dropped),
+                delay_by_cause=dict(self.delay_by_cause))
 
     def delay_histograms(self) -> dict[str, tuple[list[tuple[float, int]], int, float]]:
         """service -> (cumulative (bound, count) pairs, count, sum)."""

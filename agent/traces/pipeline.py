@@ -243,7 +243,8 @@ class RequestPipeline:
         limits = [limit.as_dict() for limit in self._cpu_limits(service)] if service is not None else []
         doc = request_document(span, service, item.origin.how, sched, slo, complete, limits)
         self.store.add(doc)
-        self.counters.add_request(doc["service"], sched.delay_seconds if sched else None, slo, span.end)
+        self.counters.add_request(doc["service"], sched.delay_seconds if sched else None, slo, span.end,
+                                  doc["sched"]["delay_by"] if sched else [])
         if self._sink is not None and item.proto is not None:
             self._sink.forward(*item.proto, extra=enrichment(doc))
 

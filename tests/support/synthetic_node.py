@@ -5,7 +5,8 @@ none) shaped like a recorded contention scene: per service a
 run-queue histogram of a few hundred waits per interval (log-normal, medians
 from 20 µs to 2 ms, so 20-40 occupied 1/16-octave slots), I/O waits for one
 service in five, several neighbours that preempt it or hold the CPU it waits
-for (and the idle CPU), migrations, and untraced events (all three kinds) for one in ten.
+for (and the idle CPU), migrations, untraced events (all three kinds) for one in
+ten, and for the same one in ten waits its own CPU limit held.
 
 The reference figures (totals per service, each neighbour's wait) are kept
 here from the raw values, so tests check the store and exporters against
@@ -31,6 +32,7 @@ class _Service:
     held_by: dict[int, PairCounters]        # holder cgid (0: idle) -> per interval
     migrations: int
     untraced: int
+    limited_ns: int = 0                     # per interval, the part of its waits its CPU limit held
 
 
 @dataclass
@@ -63,7 +65,8 @@ class SyntheticNode:
                     for j in others[third:]}
             held[0] = PairCounters(rng.randint(1, 40), rng.randint(10_000, 2_000_000))
             self._services.append(_Service(dict(runq.items()), dict(iowait.items()), pre, held,
-                                           rng.randint(0, 20), 1 if i % 10 == 0 else 0))
+                                           rng.randint(0, 20), 1 if i % 10 == 0 else 0,
+                                           rng.randint(1_000_000, 50_000_000) if i % 10 == 0 else 0))
 
     @staticmethod
     def cgid(i: int) -> int:
@@ -95,7 +98,8 @@ class SyntheticNode:
             for by, p in s.held_by.items():
                 holders[(cg, by)] = p
             cgroups[cg] = CgroupCounters(migrations=s.migrations, untraced_switch_in=s.untraced,
-                                         untraced_switch_out=s.untraced, untraced_wakeup=s.untraced)
+                                         untraced_switch_out=s.untraced, untraced_wakeup=s.untraced,
+                                         limited_runq=1 if s.limited_ns else 0, limited_runq_ns=s.limited_ns)
         return ProbeSnapshot.from_dicts(mono_ns=int(t * interval_s * 1e9), wall=start_wall + t * interval_s,
                                         hists=hists, pairs=pairs, holders=holders, cgroups=cgroups)
 
@@ -130,3 +134,6 @@ class SyntheticNode:
 
     def untraced(self, i: int) -> int:
         return self._services[i].untraced
+
+    def limited_ns(self, i: int) -> int:
+        return self._services[i].limited_ns

@@ -68,7 +68,7 @@ def test_own_quota_is_not_neighbour_contention() -> None:
     assert b["kinds"]["busy_cpu"]["seconds"] == pytest.approx(0.2)
     assert b["cause"] == "own_quota"
     rec = service_record("api", 0.0, 10.0, f, throttled_seconds=1.5)
-    assert "own CPU quota" in rec["verdict"] and "throttled 1.50 s" in rec["verdict"]
+    assert "own CPU limit" in rec["verdict"] and "held its threads 1.50 s" in rec["verdict"]
     assert "75%" in rec["verdict"]  # 1.5 of 2.0 s
     # Throttling larger than the wait it can explain is capped at that wait.
     assert blame("api", f, throttled_seconds=9.0)["kinds"]["own_quota"]["seconds"] == pytest.approx(2.0)

@@ -288,7 +288,7 @@ def test_self_metrics_and_hooks() -> None:
     # With every hook given, every family of the catalog is exported, except
     # the kinds that never happened here: an all-zero kind has no series.
     zero = {"slatrace_iowait_seconds", "slatrace_migrations", "slatrace_untraced_events", "slatrace_recovered_waits",
-            "slatrace_lost_waits"}
+            "slatrace_lost_waits", "slatrace_cpu_limit_wait_seconds"}
     assert set(fams) == {s.name for s in SCHEDULER} - zero
 
 
