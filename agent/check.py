@@ -63,7 +63,8 @@ def attachment(release: str | None = None) -> Check:
     except BtfError as e:
         return Check("attachment", True, f"kernel {release}: classic tracepoints, because raw ones are not usable "
                      f"({e}): {_cost('classic')}, the kernel filling each tracepoint's record before the "
-                     "program runs")
+                     "program runs; the part of a wait the service's own CPU limit held cannot be told on them "
+                     "(it counts as unknown, and cpu.stat's throttled time stands in per service)")
     where = (f"sched_switch passes no prev_state (kernels before 5.18), so it is read from "
              f"task_struct.{layout.state_field} at byte {layout.state_offset}"
              if layout.state_offset is not None else "sched_switch passes prev_state")
@@ -72,8 +73,15 @@ def attachment(release: str | None = None) -> Check:
                 if layout.queue_clock is not None else
                 f"a wait after a wake-up the kernel kept from the programs is lost, only counted "
                 f"({layout.queue_clock_missing})")
+    limit = (f"the part of each wait the service's own CPU limit held is read from cfs_rq."
+             f"throttled_clock_{layout.limit_clock.kind}_time (cause cpu_limit)"
+             if layout.limit_clock is not None else
+             f"the part of a wait the service's own CPU limit held cannot be told from other waits "
+             f"({layout.limit_clock_missing}): it counts as unknown, and cpu.stat's throttled time stands in "
+             "per service")
     details = (f"{where}; task_struct.pid at byte {layout.pid_offset} and .flags at {layout.flags_offset}, from "
-               f"the kernel's BTF; {recovery}")
+               f"the kernel's BTF; {recovery}; {limit} (on classic tracepoints, which pass no task, it cannot be "
+               "told: --attach-mode classic counts it as unknown)")
     if not layout.btf_trace_ids:
         return Check("attachment", True, f"kernel {release}: raw tracepoints, because BTF-typed ones are not "
                      f"usable ({layout.btf_tracing_missing}): {_cost('raw')}; --attach-mode classic also works "

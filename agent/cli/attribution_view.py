@@ -11,7 +11,7 @@ from rich.table import Table
 
 from agent.durations import fmt_seconds
 
-__all__ = ["attribution_table", "print_attribution", "slo_text", "top_culprit"]
+__all__ = ["attribution_table", "limit_text", "print_attribution", "slo_text", "top_culprit"]
 
 
 def top_culprit(record: dict) -> str:
@@ -25,6 +25,15 @@ def top_culprit(record: dict) -> str:
     return f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by else "-"
 
 
+def limit_text(record: dict) -> str:
+    """The wait its own CPU limit held, and its share of the P99's tail."""
+    limit = record.get("cpu_limit")
+    if not limit or not limit["wait_seconds"]:
+        return "-"
+    tail = f" (P99 {limit['p99_share']:.0%})" if limit.get("p99_share") else ""
+    return fmt_seconds(limit["wait_seconds"]) + tail
+
+
 def slo_text(record: dict) -> str:
     slo = record.get("slo") or []
     if not slo:
@@ -36,7 +45,7 @@ def slo_text(record: dict) -> str:
 def attribution_table(doc: dict, title: str | None = None) -> Table:
     table = Table(title=title)
     for col in ("service", "runs", "wait", "p50", "p95", "p99", "preempted", "top culprit", "throttled",
-                "iowait", "migr", "cause", "SLO"):
+                "own limit", "iowait", "migr", "cause", "SLO"):
         table.add_column(col, justify="left" if col in ("service", "top culprit", "cause", "SLO") else "right",
                          overflow="fold")
     for r in doc.get("attribution", []):
@@ -44,7 +53,7 @@ def attribution_table(doc: dict, title: str | None = None) -> Table:
         table.add_row(
             r["service"], str(runq["count"]), fmt_seconds(runq["wait_seconds"]), fmt_seconds(runq["p50"]),
             fmt_seconds(runq["p95"]), fmt_seconds(runq["p99"]), str(r["preemption"]["count"]), top_culprit(r),
-            fmt_seconds(r.get("throttled_seconds", 0.0)), fmt_seconds(r["iowait"]["seconds"]),
+            fmt_seconds(r.get("throttled_seconds", 0.0)), limit_text(r), fmt_seconds(r["iowait"]["seconds"]),
             str(r["migrations"]), (r.get("blame") or {}).get("cause", "-"), slo_text(r),
         )
     return table

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from agent.cli.attribution_view import slo_text, top_culprit
+from agent.cli.attribution_view import limit_text, slo_text, top_culprit
 from agent.durations import fmt_seconds
 
 __all__ = ["SORT_FIELDS", "frame", "run_top", "sort_records"]
@@ -45,8 +45,8 @@ def frame(doc: dict, sort: str, since: float, agent: str) -> Table:
     records = sort_records(doc.get("attribution", []), sort)
     table = Table(title=f"slatrace top — {agent} — last {since:g} s, sorted by {sort} — "
                         f"{time.strftime('%H:%M:%S')}")
-    for col in ("service", "p50", "p95", "p99", "runq wait", "top culprit", "throttled", "iowait", "migr",
-                "cause", "SLO"):
+    for col in ("service", "p50", "p95", "p99", "runq wait", "top culprit", "throttled", "own limit", "iowait",
+                "migr", "cause", "SLO"):
         table.add_column(col, justify="left" if col in ("service", "top culprit", "cause", "SLO") else "right",
                          overflow="fold")
     for r in records:
@@ -55,7 +55,8 @@ def frame(doc: dict, sort: str, since: float, agent: str) -> Table:
         table.add_row(
             r["service"], fmt_seconds(runq["p50"]), fmt_seconds(runq["p95"]), fmt_seconds(runq["p99"]),
             fmt_seconds(runq["wait_seconds"]), top_culprit(r), fmt_seconds(r.get("throttled_seconds", 0.0)),
-            fmt_seconds(r["iowait"]["seconds"]), str(r["migrations"]), (r.get("blame") or {}).get("cause", "-"),
+            limit_text(r), fmt_seconds(r["iowait"]["seconds"]), str(r["migrations"]),
+            (r.get("blame") or {}).get("cause", "-"),
             f"[red]{slo}[/]" if slo.startswith("BREACH") else slo,
         )
     return table

@@ -189,7 +189,7 @@ def test_cli_attribution_table_shows_the_api_figures(api):
     web = _row(text, "web")
     # service, runs, wait, p50, p95, p99, preempted, top culprit, throttled, iowait, migr, cause, SLO
     assert web[1] == "8" and web[2] == "6.1 ms" and web[5] == "3 ms"
-    assert web[7].startswith("batch") and web[10] == "4" and web[-1] == "BREACH runq_p99"
+    assert web[7].startswith("batch") and web[9] == "-" and web[11] == "4" and web[-1] == "BREACH runq_p99"
     assert _row(text, "batch")[-1] == "-"          # no SLO for batch
     assert any(line.startswith("web") and "batch" in line for line in text.splitlines()[-3:])   # the verdicts
 
