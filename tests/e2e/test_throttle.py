@@ -1,5 +1,6 @@
 """A service under its own CPU quota: throttled_seconds against the kernel's
-own cpu.stat, and a verdict that names throttling, not a neighbour."""
+own cpu.stat, the part of its waits the limit held (measured per wait)
+against the same, and a verdict that names its own limit, not a neighbour."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ PERCENT = 20
 def throttled():
     needs_kernel()
     with Agent(interval=0.5) as agent, TestCgroup("quota") as svc, quota(svc, PERCENT) as q:
+        # The agent rescans the cgroup tree at most once a second: waits of a
+        # cgroup younger than its last scan count under "unknown" until the
+        # next one, while cpu.stat counts from the start.
+        time.sleep(1.1)
         p = svc.spawn(q.wrap + hog_argv())
         time.sleep(SECONDS)
         p.kill()
@@ -54,4 +59,23 @@ def test_verdict_names_throttling_not_a_neighbour(throttled) -> None:
     (r,) = rec
     assert r["blame"]["cause"] == "own_quota", r["blame"]
     assert r["blame"]["kinds"]["own_quota"]["share"] > 0.5
-    assert "own CPU quota" in r["verdict"] and "delayed by its neighbours" not in r["verdict"]
+    assert "own CPU limit" in r["verdict"] and "delayed by its neighbours" not in r["verdict"]
+
+
+def test_the_limits_part_of_the_waits_is_measured_per_wait(throttled) -> None:
+    """One runnable thread: while its group is throttled it waits, so the part
+    of its waits the limit held is the group's throttled time (cpu.stat), and
+    the tail of its waits is the limit's."""
+    svc, _, kernel, rec, text = throttled
+    (r,) = rec
+    assert r["cpu_limit"]["wait_seconds"] == pytest.approx(kernel, rel=0.10), (r["cpu_limit"], kernel)
+    # Most of the tail; other tests' load on the same 2 CPUs adds contention waits of as long.
+    assert r["cpu_limit"]["p99_share"] >= 0.5
+    assert next(iter(r["runq"]["by_cause"])) == "cpu_limit"
+    assert sum(r["runq"]["by_cause"].values()) == pytest.approx(r["runq"]["wait_seconds"], rel=1e-6)
+    own = next(s for s in r["blame"]["shares"] if s["kind"] == "own_quota")
+    assert own["measured"] == "per_wait" and own["seconds"] == pytest.approx(r["cpu_limit"]["wait_seconds"])
+    assert "of the waits at or above it held by its own CPU limit" in r["verdict"]
+    fam = {f.name: f for f in text_string_to_metric_families(text)}["slatrace_cpu_limit_wait_seconds"]
+    value = next(s.value for s in fam.samples if s.labels["service"] == svc.path)
+    assert value == pytest.approx(r["cpu_limit"]["wait_seconds"], rel=0.05)
