@@ -35,7 +35,12 @@ class CgroupPaths:
 
     Lookups are dict hits; a miss rescans the whole tree at most once per
     `min_rescan_s`, and a map older than `max_age_s` is rebuilt on the next
-    lookup so renamed and removed cgroups do not linger forever.
+    lookup so renamed and removed cgroups do not linger forever. A miss for
+    an id above every id of the last scan is a cgroup created since (the
+    kernel hands out cgroup ids in increasing order): it rescans at most once
+    per `new_rescan_s`, so a new pod's first waits are named within an
+    interval rather than counted as "unknown" for a second, while the misses
+    of removed cgroups (ids below) stay rate-limited.
     """
 
     def __init__(
@@ -43,11 +48,14 @@ class CgroupPaths:
         root: Path,
         *,
         min_rescan_s: float = 1.0,
+        new_rescan_s: float = 0.05,
         max_age_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = Path(root)
         self.min_rescan_s = min_rescan_s
+        self.new_rescan_s = new_rescan_s
+        self._max_id = 0
         self.max_age_s = max_age_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -60,7 +68,7 @@ class CgroupPaths:
         """The path of cgroup `cgid`, or None if no such cgroup exists now."""
         self._expire()
         path = self._by_id.get(cgid)
-        if path is None and self._may_rescan():
+        if path is None and self._may_rescan(new=cgid > self._max_id):
             self.rescan()
             path = self._by_id.get(cgid)
         return path
@@ -126,11 +134,14 @@ class CgroupPaths:
                 self._note_error("scan", directory, e)
         with self._lock:
             self._by_id = by_id
+            self._max_id = max(by_id, default=0)
             self._scanned_at = self._clock()
             self.scans += 1
 
-    def _may_rescan(self) -> bool:
-        return self._scanned_at is None or self._clock() - self._scanned_at >= self.min_rescan_s
+    def _may_rescan(self, new: bool = False) -> bool:
+        if self._scanned_at is None:
+            return True
+        return self._clock() - self._scanned_at >= (self.new_rescan_s if new else self.min_rescan_s)
 
     def _expire(self) -> None:
         if self._scanned_at is not None and self._clock() - self._scanned_at >= self.max_age_s:

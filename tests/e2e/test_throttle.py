@@ -24,10 +24,6 @@ PERCENT = 20
 def throttled():
     needs_kernel()
     with Agent(interval=0.5) as agent, TestCgroup("quota") as svc, quota(svc, PERCENT) as q:
-        # The agent rescans the cgroup tree at most once a second: waits of a
-        # cgroup younger than its last scan count under "unknown" until the
-        # next one, while cpu.stat counts from the start.
-        time.sleep(1.1)
         p = svc.spawn(q.wrap + hog_argv())
         time.sleep(SECONDS)
         p.kill()

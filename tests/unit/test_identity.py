@@ -139,16 +139,24 @@ def test_rescan_on_miss_is_rate_limited(tree: dict) -> None:
     paths = CgroupPaths(tree["root"], min_rescan_s=1.0, clock=clock)
     assert paths.path_of(tree["ids"]["/web"]) == "/web"
     assert paths.scans == 1
-    late = make_cgroup(tree["root"], "/late")
     clock.now += 0.5
-    assert paths.path_of(late) is None  # too soon after the last scan
-    assert paths.path_of(123456789) is None
+    assert paths.path_of(1) is None  # below every id seen: a removed cgroup, too soon after the last scan
     assert paths.scans == 1
     clock.now += 0.5
+    assert paths.path_of(1) is None
+    assert paths.scans == 2
+    # A cgroup created since the last scan has a higher id than any it saw:
+    # named at once, not a second later.
+    late = make_cgroup(tree["root"], "/late")
+    assert late > max(tree["ids"].values())
+    clock.now += 0.06
     assert paths.path_of(late) == "/late"
-    assert paths.scans == 2
+    assert paths.scans == 3
+    newer = make_cgroup(tree["root"], "/newer")
+    assert paths.path_of(newer) is None  # within new_rescan_s of the last scan
+    assert paths.scans == 3
     assert paths.path_of(tree["ids"]["/web"]) == "/web"  # hits never rescan
-    assert paths.scans == 2
+    assert paths.scans == 3
 
 
 def test_old_map_is_rebuilt_so_renames_show(tree: dict) -> None:
