@@ -292,6 +292,11 @@ def enrichment(doc: dict) -> dict:
             "slatrace.iowait_seconds": sched["iowait_seconds"],
             "slatrace.migrations": sched["migrations"],
         })
+        if sched["delay_by_cause"]:
+            # The largest cause, and each cause's seconds (a trace backend can group by them).
+            out["slatrace.top_cause"] = next(iter(sched["delay_by_cause"]))
+            out.update({f"slatrace.delay_by_cause.{cause}": seconds
+                        for cause, seconds in sched["delay_by_cause"].items()})
         if doc["culprits"]:
             top = doc["culprits"][0]
             out["slatrace.top_culprit"] = top["service"]
