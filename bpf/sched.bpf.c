@@ -418,34 +418,47 @@ static __always_inline bool missed_enqueue(task_key_t task, u64 slept_at, u64 no
  * update, which __schedule() and a wake-up make just before their
  * tracepoints. */
 #if defined(RAW_TP) && defined(THR_TOTAL_OFF)
+/* A kernel field at `addr`: on BTF-typed tracepoints a plain load, which the
+ * verifier checks against the task's type and makes fault-safe; elsewhere the
+ * helper. */
+#ifdef TP_BTF
+#define KLOAD(type, addr) (*(type *)(addr))
+#else
+#define KLOAD(type, addr) ({ type __v = 0; bpf_probe_read_kernel(&__v, sizeof(__v), (void *)(addr)); __v; })
+#endif
+
 static __always_inline u64 limit_clock(task_key_t task, u64 *cfs_rq, bool *on)
 {
-    u64 q = 0, since = 0, total = 0;
-    bpf_probe_read_kernel(&q, sizeof(q), (void *)(task + THR_SE_CFS_RQ_OFF));
+    u64 q = KLOAD(u64, task + THR_SE_CFS_RQ_OFF);
     *cfs_rq = q;
     *on = false;
     if (!q)
         return 0;
-    bpf_probe_read_kernel(&total, sizeof(total), (void *)(q + THR_TOTAL_OFF));
-    bpf_probe_read_kernel(&since, sizeof(since), (void *)(q + THR_SINCE_OFF));
+#if !defined(TP_BTF) && defined(THR_BLOCK_LEN)
+    /* The helper reads the run queue's fields in one call: they sit within
+     * THR_BLOCK_LEN bytes of each other (agent/probe/btf.py). */
+    u64 block[THR_BLOCK_LEN / 8] = {};
+    bpf_probe_read_kernel(block, sizeof(block), (void *)(q + THR_BLOCK_OFF));
+#define THR_FIELD(type, off) (*(type *)((char *)block + ((off) - THR_BLOCK_OFF)))
+#else
+#define THR_FIELD(type, off) KLOAD(type, q + (off))
+#endif
+    u64 total = THR_FIELD(u64, THR_TOTAL_OFF);
+    u64 since = THR_FIELD(u64, THR_SINCE_OFF);
 #ifdef THR_BY_SINCE
     *on = since != 0;          /* zeroed when the throttle ends */
 #else
-    u32 count = 0;             /* throttled levels at or above this one */
-    bpf_probe_read_kernel(&count, sizeof(count), (void *)(q + THR_COUNT_OFF));
-    *on = count != 0;
+    *on = THR_FIELD(u32, THR_COUNT_OFF) != 0;   /* throttled levels at or above this one */
 #endif
+#undef THR_FIELD
     if (!*on)
         return total;
-    u64 rq = 0, clock = 0;
-    bpf_probe_read_kernel(&rq, sizeof(rq), (void *)(q + THR_CFS_RQ_RQ_OFF));
+    u64 rq = KLOAD(u64, q + THR_CFS_RQ_RQ_OFF);
     if (!rq)
         return total;
-    bpf_probe_read_kernel(&clock, sizeof(clock), (void *)(rq + THR_CLOCK_OFF));
+    u64 clock = KLOAD(u64, rq + THR_CLOCK_OFF);
 #ifdef THR_CLOCK_LESS_OFF
-    u64 less = 0;              /* rq_clock_pelt() = clock_pelt - lost_idle_time */
-    bpf_probe_read_kernel(&less, sizeof(less), (void *)(rq + THR_CLOCK_LESS_OFF));
-    clock -= less;
+    clock -= KLOAD(u64, rq + THR_CLOCK_LESS_OFF);   /* rq_clock_pelt() = clock_pelt - lost_idle_time */
 #endif
     return clock > since ? total + (clock - since) : total;
 }

@@ -99,6 +99,14 @@ class LimitClock:
             out["THR_COUNT_OFF"] = self.count
         if self.clock_less is not None:
             out["THR_CLOCK_LESS_OFF"] = self.clock_less
+        # The fields the helper reads, as one 8-byte-aligned block when they
+        # lie close together (they do: the kernel declares them side by side).
+        fields = [(self.since, 8), (self.total, 8)] + ([] if self.kind == "self" else [(self.count, 4)])
+        lo = min(off for off, _ in fields) & ~7
+        hi = max(off + size for off, size in fields)
+        length = (hi - lo + 7) & ~7
+        if length <= 64:
+            out.update(THR_BLOCK_OFF=lo, THR_BLOCK_LEN=length)
         return out
 
 
