@@ -6,11 +6,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from agent.attribution.causes import CAUSES
+from tests.support import require_kernel
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((REPO / "dashboards").glob("*.json"))
@@ -68,7 +73,7 @@ def _exposed_names() -> tuple[set[str], set[str]]:
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     names, les = set(), set()
-    text = gen.scrape_text() + gen.engine_scrape_text()
+    text = gen.all_scrapes_text()  # the trace side's families too (request delay by cause)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             names.add(s.name)
@@ -167,10 +172,156 @@ def test_overview_covers_the_questions_it_must_answer() -> None:
                    "slatrace_preemptions_total", "slatrace_iowait_seconds", "slatrace_migrations_total",
                    "slatrace_cpu_throttled_seconds_total", "slatrace_slo_ok", "slatrace_slo_breaches_total",
                    "rate(slatrace_bpf_run_seconds_total", "rate(slatrace_bpf_events_total",
-                   "slatrace_bpf_map_errors_total"):
+                   "slatrace_bpf_map_errors_total", "slatrace_cpu_limit_wait_seconds_total"):
         assert needle in exprs, needle
     requests = " ".join(t["expr"] for _, t in _targets(_load(REPO / "dashboards" / "slatrace-requests.json")))
     assert "slatrace_request_sched_delay_seconds_bucket" in requests
+    assert "slatrace_request_delay_seconds_total" in requests
+
+
+# The panels that split a delay by cause (docs/api.md "The causes of a wait").
+OVERVIEW_BY_CAUSE = "Run-queue wait by cause: own CPU limit vs neighbours"
+REQUESTS_BY_CAUSE = "Request delay by cause"
+REQUESTS_BY_CULPRIT = "Request delay caused by neighbours, by culprit"
+
+
+def _panel(name: str, title: str) -> dict:
+    (panel,) = [p for p in _panels(_load(REPO / "dashboards" / name)) if p["title"] == title]
+    return panel
+
+
+def test_request_delay_panels_add_up_every_node_by_cause_and_culprit() -> None:
+    (cause,) = _panel("slatrace-requests.json", REQUESTS_BY_CAUSE)["targets"]
+    assert cause["expr"].startswith("sum by (service, cause) (rate(slatrace_request_delay_seconds_total{")
+    (culprit,) = _panel("slatrace-requests.json", REQUESTS_BY_CULPRIT)["targets"]
+    assert culprit["expr"].startswith("sum by (service, culprit) (rate(slatrace_request_delay_seconds_total{")
+    assert 'cause="neighbour"' in culprit["expr"]
+    for t in (cause, culprit):
+        # Summed over the selected nodes, not one line per node.
+        assert "instance" not in re.search(r"^sum by \(([^)]*)\)", t["expr"]).group(1)
+
+
+def test_the_own_limit_and_the_throttled_time_are_told_apart() -> None:
+    by_cause = _panel("slatrace-overview.json", OVERVIEW_BY_CAUSE)
+    # A line for every cause of the closed vocabulary, the own limit first.
+    assert sorted(c for t in by_cause["targets"] for c in _causes_drawn(t)) == sorted(CAUSES)
+    assert _causes_drawn(by_cause["targets"][0]) == ["cpu_limit"]
+    assert "slatrace_cpu_limit_wait_seconds_total" in by_cause["targets"][0]["expr"]
+    (throttled,) = [p for p in _panels(_load(REPO / "dashboards" / "slatrace-overview.json"))
+                    if "slatrace_cpu_throttled_seconds_total" in json.dumps(p.get("targets", []))]
+    assert "cpu.stat" in throttled["title"] and "not the waits" in throttled["title"]
+    # Side by side.
+    assert throttled["gridPos"]["y"] == by_cause["gridPos"]["y"]
+
+
+def _causes_drawn(target: dict) -> list[str]:
+    """The causes one query of the by-cause panel draws: named in its legend,
+    or, where the legend takes the cause label, the pseudo-culprits it selects."""
+    cause = re.match(r"\{\{service\}\} (\{\{cause\}\}|\w+)", target["legendFormat"]).group(1)
+    if cause != "{{cause}}":
+        return [cause]
+    (selected,) = set(re.findall(r'by_service=~"([^"]+)"', target["expr"]))  # after preemptions and wake-ups alike
+    return sorted(selected.split("|"))
+
+
+def _as_rules(panels: list[dict]) -> tuple[dict, dict[str, str]]:
+    """The panels' queries as recording rules over every node and service,
+    named panel_<id>_<refId>, and each rule's legend cause."""
+    rules, named = [], {}
+    for p in panels:
+        for t in p["targets"]:
+            expr = (t["expr"].replace('"$node"', '".*"').replace('"$service"', '".*"')
+                    .replace("$__rate_interval", "5m"))
+            record = f"panel_{p['id']}_{t['refId']}"
+            rules.append({"record": record, "expr": expr})
+            named[record] = t["legendFormat"]
+    return {"groups": [{"name": "dashboards", "rules": rules}]}, named
+
+
+def test_cause_panels_give_the_hand_computed_figures(tmp_path: Path) -> None:
+    """The cause panels' PromQL, run by promtool on series whose rates are
+    known (increments per minute whose rates are exact in binary:
+    3.75/min = 0.0625/s), against the split worked out by hand."""
+    import yaml
+
+    if shutil.which("promtool") is None:
+        require_kernel("promtool is not installed (SLATRACE_SETUP_TEST=1 scripts/setup.sh)")
+    by_cause = _panel("slatrace-overview.json", OVERVIEW_BY_CAUSE)
+    req_cause = _panel("slatrace-requests.json", REQUESTS_BY_CAUSE)
+    req_culprit = _panel("slatrace-requests.json", REQUESTS_BY_CULPRIT)
+    rules, legends = _as_rules([by_cause, req_cause, req_culprit])
+    (tmp_path / "panels.rules.yaml").write_text(yaml.safe_dump(rules, width=10_000))
+
+    def series(metric: str, inc: float, **labels: str) -> dict:
+        sel = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+        return {"series": f"{metric}{{{sel}}}", "values": f"0+{inc}x20"}
+
+    wait, pre, wake = ("slatrace_runq_wait_seconds_total", "slatrace_preempted_wait_seconds_total",
+                       "slatrace_wakeup_wait_seconds_total")
+    req = "slatrace_request_delay_seconds_total"
+    inputs = [
+        # victim on two nodes, batch on n1.
+        series(wait, 15, instance="n1", service="victim"),
+        series(wait, 7.5, instance="n2", service="victim"),
+        series(wait, 3.75, instance="n1", service="batch"),
+        series("slatrace_cpu_limit_wait_seconds_total", 3.75, instance="n1", service="victim"),     # 0.0625
+        series("slatrace_cpu_limit_wait_seconds_total", 1.875, instance="n2", service="victim"),    # 0.03125
+        series(pre, 1.875, instance="n1", service="victim", by_service="batch"),                    # 0.03125
+        series(wake, 0.9375, instance="n1", service="victim", by_service="batch"),                  # 0.015625
+        series(wake, 0.46875, instance="n1", service="victim", by_service="other"),                 # 0.0078125
+        series(pre, 0.46875, instance="n2", service="victim", by_service="batch"),                  # 0.0078125
+        series(pre, 0.9375, instance="n1", service="victim", by_service="victim"),                  # 0.015625
+        series(wake, 0.46875, instance="n2", service="victim", by_service="victim"),                # 0.0078125
+        series(pre, 0.234375, instance="n1", service="victim", by_service="kernel"),                # 0.00390625
+        series(wake, 0.9375, instance="n1", service="victim", by_service="idle"),                   # 0.015625
+        series(wake, 0.9375, instance="n2", service="victim", by_service="idle"),                   # 0.015625
+        series(pre, 0.234375, instance="n1", service="victim", by_service="unknown"),               # 0.00390625
+        # To batch, victim is a neighbour; batch's own threads are not.
+        series(pre, 0.46875, instance="n1", service="batch", by_service="victim"),                  # 0.0078125
+        series(wake, 0.234375, instance="n1", service="batch", by_service="batch"),                 # 0.00390625
+        # victim's requests.
+        series(req, 1.875, instance="n1", service="victim", cause="cpu_limit", culprit="victim"),   # 0.03125
+        series(req, 0.9375, instance="n2", service="victim", cause="cpu_limit", culprit="victim"),  # 0.015625
+        series(req, 0.9375, instance="n1", service="victim", cause="neighbour", culprit="batch"),   # 0.015625
+        series(req, 0.46875, instance="n2", service="victim", cause="neighbour", culprit="batch"),  # 0.0078125
+        series(req, 0.46875, instance="n2", service="victim", cause="neighbour", culprit="etl"),    # 0.0078125
+        series(req, 0.234375, instance="n1", service="victim", cause="own_threads", culprit="victim"),
+    ]
+    # By hand, per second, summed over the two nodes.
+    overview = {
+        "cpu_limit": {"victim": 0.09375},
+        "neighbour": {"victim": 0.0625, "batch": 0.0078125},
+        "own_threads": {"victim": 0.0234375, "batch": 0.00390625},
+        "kernel": {"victim": 0.00390625},
+        "idle": {"victim": 0.03125},
+        "unknown": {"victim": 0.00390625},
+    }
+    requests_by_cause = {"cpu_limit": 0.046875, "neighbour": 0.03125, "own_threads": 0.00390625}
+    requests_by_culprit = {"batch": 0.0234375, "etl": 0.0078125}
+    cases = []
+    for target in by_cause["targets"]:
+        record = f"panel_{by_cause['id']}_{target['refId']}"
+        causes = _causes_drawn(target)
+        if "{{cause}}" in legends[record]:     # one series per service and cause
+            samples = [(f'service="{s}", cause="{c}"', v) for c in causes for s, v in overview[c].items()]
+        else:
+            (cause,) = causes
+            samples = [(f'service="{s}"', v) for s, v in overview[cause].items()]
+        cases.append({"expr": record, "eval_time": "10m",
+                      "exp_samples": [{"labels": f"{record}{{{labels}}}", "value": v} for labels, v in samples]})
+    record = f"panel_{req_cause['id']}_A"
+    cases.append({"expr": record, "eval_time": "10m", "exp_samples": [
+        {"labels": f'{record}{{service="victim", cause="{c}"}}', "value": v} for c, v in requests_by_cause.items()]})
+    record = f"panel_{req_culprit['id']}_A"
+    cases.append({"expr": record, "eval_time": "10m", "exp_samples": [
+        {"labels": f'{record}{{service="victim", culprit="{c}"}}', "value": v}
+        for c, v in requests_by_culprit.items()]})
+    (tmp_path / "panels.test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["panels.rules.yaml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": cases}]}, width=10_000))
+    r = subprocess.run(["promtool", "test", "rules", "panels.test.yaml"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 # Alert rules: the PrometheusRule is generated from the plain rule file, and
@@ -211,7 +362,7 @@ def test_every_alert_has_a_summary_and_a_runbook_section() -> None:
     alerts = [r for g in groups for r in g["rules"] if "alert" in r]
     assert {a["alert"] for a in alerts} >= {"SlatraceSLOBreached", "SlatraceSLOBurnRateFast",
                                             "SlatraceNeighbourContention", "SlatraceAgentDown",
-                                            "SlatraceBPFMapErrors"}
+                                            "SlatraceBPFMapErrors", "SlatraceCPULimitDelaysRequests"}
     runbook = (REPO / "docs" / "runbook.md").read_text()
     sections = dict(re.findall(r"^## (\S+)\n(.*?)(?=^## |\Z)", runbook, re.M | re.S))
     for a in alerts:
