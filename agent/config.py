@@ -43,6 +43,9 @@ __all__ = [
 MIN_INTERVAL_S = 0.1   # below it, polling the maps would take a core
 MAX_INTERVAL_S = 60.0
 DEFAULT_MAX_SERVICES = 1000
+# The event stream's rate limit, per CPU per second (bpf/sched.bpf.c rate_ok()).
+DEFAULT_EVENT_RATE = 50000
+MIN_EVENT_RATE, MAX_EVENT_RATE = 1000, 10_000_000
 MAX_RETENTION_S = 7 * 86400.0
 
 
@@ -146,6 +149,10 @@ class Config:
     # Which tracepoints the programs attach to (agent/probe/loader.py
     # ATTACH_MODES); read at start-up only.
     attach_mode: str = "auto"
+    # Per-wait events each CPU may stream per second for the services that send
+    # request spans (the ring buffer's rate limit); beyond it events are dropped
+    # and the requests they fall in are marked incomplete.
+    event_rate: int = DEFAULT_EVENT_RATE
     # The exporter-toolkit web configuration (TLS, client certificates, basic
     # auth) of the API, /metrics and the OTLP receivers; --web-config-file wins.
     web_config_file: str | None = None
@@ -170,6 +177,8 @@ buckets_per_octave: 2  # histogram buckets exported per power of two: 1, 2 (43 b
                        # 4 keeps histogram_quantile within ~8% of the agent's quantile, at twice the series
 attach_mode: auto      # tracepoints the programs use: auto (raw where the kernel's BTF allows, else
                        # classic), raw or classic; read at start-up only
+event_rate: {DEFAULT_EVENT_RATE}      # per-wait events each CPU may stream per second for services that send request
+                       # spans; beyond it they are dropped and their requests marked incomplete (start-up only)
 web_config_file:       # TLS, client certificates and basic auth for the API, /metrics and the OTLP
                        # receivers: node_exporter's --web.config.file format (relative to this file)
 histograms: []         # services whose histograms keep their buckets (globs on the service name, "*" for
@@ -219,8 +228,8 @@ engines: []
 #    url: http://10.0.0.7:8000/metrics
 """
 
-_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "histograms", "services",
-             "slos", "request_spans", "otlp_relays", "web_config_file", "engines")
+_TOP_KEYS = ("interval", "retention", "max_services", "buckets_per_octave", "attach_mode", "event_rate", "histograms",
+             "services", "slos", "request_spans", "otlp_relays", "web_config_file", "engines")
 _REQUEST_SPANS_KEYS = ("servers", "rules", "watch")
 _REQUEST_RULE_KEYS = ("span_name", "request_id", "e2e", "queue", "ttft")
 _RULE_MATCHERS = (
@@ -299,6 +308,10 @@ def parse_config(data: Any, source: str) -> Config:
     if attach_mode not in ATTACH_MODES:
         raise ConfigError(f"{source}: attach_mode: expected one of {', '.join(ATTACH_MODES)}, "
                           f"got {_short(attach_mode)}")
+    event_rate = top.get("event_rate", DEFAULT_EVENT_RATE)
+    if not _is_int(event_rate) or not MIN_EVENT_RATE <= event_rate <= MAX_EVENT_RATE:
+        raise ConfigError(f"{source}: event_rate: expected a whole number of events per CPU per second from "
+                          f"{MIN_EVENT_RATE} to {MAX_EVENT_RATE}, got {_short(event_rate)}")
     rules = tuple(
         _service_rule(item, source, f"services[{i}]")
         for i, item in enumerate(_sequence(top, "services", source))
@@ -324,6 +337,7 @@ def parse_config(data: Any, source: str) -> Config:
         histograms=histograms,
         request_spans=_request_spans(top.get("request_spans"), source),
         attach_mode=attach_mode,
+        event_rate=int(event_rate),
         otlp_relays=parse_relays(_sequence(top, "otlp_relays", source), source, "otlp_relays"),
         web_config_file=_web_config_file(top.get("web_config_file"), source),
         engines=tuple(_engine(item, source, f"engines[{i}]")

@@ -148,7 +148,8 @@ class Daemon:
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
-                                        IntervalSched(self.store, config.interval), thread_names=ThreadNames())
+                                        IntervalSched(self.store, config.interval), thread_names=ThreadNames(),
+                                        retention_s=config.retention)
         self._watched: set[int] = set()
         self._drain = Worker.periodic("events", "draining scheduler events", self._drain_step, EVENT_DRAIN_S,
                                       first_now=False)
@@ -195,7 +196,8 @@ class Daemon:
         self._servers.add(self._server)
         log.info("listening on %s://%s:%d", self._server.scheme, host, self._server.port)
 
-        from agent.probe.loader import MapMemoryError, Probe, attach_mode  # noqa: PLC0415  (imports bcc)
+        from agent.probe.loader import (  # noqa: PLC0415  (imports bcc)
+            MapMemoryError, MapSizes, Probe, attach_mode, events_per_window)
 
         try:
             mode = attach_mode(features, self.config.attach_mode)
@@ -203,7 +205,8 @@ class Daemon:
             raise StartupError(f"{e}; use --attach-mode classic (or auto)") from None
         t0 = time.monotonic()
         try:
-            self._probe = Probe.load(features, tracepoints=mode)
+            self._probe = Probe.load(features, tracepoints=mode,
+                                     sizes=MapSizes(event_rate=events_per_window(self.config.event_rate)))
         except MapMemoryError as e:
             raise StartupError(f"cannot load the BPF programs: {e}") from None
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
@@ -357,7 +360,9 @@ class Daemon:
             self._probe.watch(cgids)
             self._watched = cgids
         drained_at = time.time()
-        self.request_sched.ingest(self._probe.drain_event_rows(), drained_at)
+        rows = self._probe.drain_event_rows()
+        dropped = self._probe.dropped_events()
+        self.request_sched.ingest(rows, drained_at, dropped)
 
     def _drain_step(self) -> None:
         if self._probe is not None:

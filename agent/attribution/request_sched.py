@@ -8,8 +8,10 @@ per-event records from the kernel for services that send spans.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Callable, Protocol
@@ -21,6 +23,11 @@ from agent.attribution.critical_path import critical_delay
 from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, SchedEvent
 from agent.store.events import EventLog
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE, Store
+
+log = logging.getLogger(__name__)
+
+# One warning a minute at most while the event stream drops events.
+DROP_WARNING_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,9 @@ class RequestSched:
     service: str = ""
     # thread-seconds of runq_wait_seconds its own CPU limit held
     limit_seconds: float = 0.0
+    # events the kernel's stream dropped (rate limit, full ring buffer) while
+    # the request ran: its figures are then a lower bound
+    dropped_events: int = 0
 
     def as_dict(self) -> dict:
         return {
@@ -56,6 +66,7 @@ class RequestSched:
             "delay_by": delay_by_dicts(self.delay_by, self.service),
             "delay_by_cause": by_cause(self.delay_by, self.service),
             "limit_thread_seconds": self.limit_seconds,
+            "dropped_events": self.dropped_events,
             "runq_thread_seconds": self.runq_wait_seconds,
             "runq_wait_seconds": self.runq_wait_seconds,
             "preemptions": self.preemptions,
@@ -215,7 +226,7 @@ class EventSched:
     """
 
     def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
-                 fallback: RequestSchedSource, *, idle_s: float = 120.0,
+                 fallback: RequestSchedSource, *, idle_s: float = 120.0, retention_s: float = 900.0,
                  clock: Callable[[], float] = time.time,
                  thread_names: Callable[[int], tuple[int, str, str] | None] = lambda tid: None) -> None:
         self._log = log
@@ -231,6 +242,13 @@ class EventSched:
         self._thread_names = thread_names
         self._covered_until = 0.0
         self._offset_ns = wall_minus_mono_ns()
+        # (from, to, n): the stream dropped n events between two drains (wall clock)
+        self._drops: deque[tuple[float, float, int]] = deque()
+        self._dropped_total: int | None = None
+        self._drained_at = 0.0
+        self._warned_at: float | None = None
+        self._unwarned = 0
+        self.retention_s = retention_s
 
     def watch(self, service: str) -> None:
         with self._lock:
@@ -271,13 +289,43 @@ class EventSched:
                     self._watching[service] = time.time()
         return cgids
 
-    def ingest(self, events: np.ndarray | list[SchedEvent], drained_at_wall: float) -> None:
+    def ingest(self, events: np.ndarray | list[SchedEvent], drained_at_wall: float,
+               dropped_total: int | None = None) -> None:
         """Events (EVENT_ROW rows) drained from the ring buffer when the wall clock read
-        drained_at_wall: everything that ended before then is in."""
+        drained_at_wall: everything that ended before then is in, but for the
+        events the stream dropped (dropped_total: since load, all CPUs)."""
         self._log.add(events)
         self._offset_ns = wall_minus_mono_ns()
         with self._lock:
+            if dropped_total is not None:
+                self._note_drops(dropped_total, drained_at_wall)
             self._covered_until = drained_at_wall
+
+    def _note_drops(self, total: int, now: float) -> None:
+        """Keep when the stream dropped events, and say so once a minute."""
+        if self._dropped_total is not None and total > self._dropped_total:
+            n = total - self._dropped_total
+            self._drops.append((self._drained_at, now, n))
+            self._unwarned += n
+            if self._warned_at is None or now - self._warned_at >= DROP_WARNING_S:
+                log.warning("the per-wait event stream dropped %d events since %s: the requests that ran then "
+                            "are marked incomplete (sched_complete false, sched.dropped_events) and their "
+                            "scheduling figures are a lower bound; raise event_rate in the config file (events "
+                            "per CPU per second; slatrace_bpf_map_errors_total{map=\"events_rate_limited\"} "
+                            "counts them)", self._unwarned,
+                            "the last warning" if self._warned_at is not None else "the agent started")
+                self._warned_at, self._unwarned = now, 0
+        while self._drops and self._drops[0][1] < now - self.retention_s:
+            self._drops.popleft()
+        self._dropped_total = total
+        self._drained_at = now
+
+    def dropped_between(self, start: float, end: float) -> int:
+        """Events the stream dropped between drains that overlap [start, end]
+        (wall clock): the drops of all CPUs and watched services, so it may
+        count some that were not this request's."""
+        with self._lock:
+            return sum(n for a, b, n in self._drops if a <= end and b >= start)
 
     def covered_until(self) -> float:
         # Both sources must have caught up: requests of services watched too
@@ -312,7 +360,8 @@ class EventSched:
                             by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)
                                                        for tid, w in waits.items()}),
                             delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical),
-                            service=service, limit_seconds=f.limit_ns / 1e9)
+                            service=service, limit_seconds=f.limit_ns / 1e9,
+                            dropped_events=self.dropped_between(start, end))
 
     def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
         """The delay inside each phase window (Unix seconds) of one request."""

@@ -131,7 +131,9 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None,
         what = "I/O wait (D state)"
     else:
         what = "run-queue wait without a recorded culprit"
-    return f"{what} added {fmt_seconds(top.seconds)} ({share}){advice}"
+    lower = (f" (at least: the event stream dropped {sched.dropped_events} events meanwhile)"
+             if sched.dropped_events else "")
+    return f"{what} added {fmt_seconds(top.seconds)}{lower} ({share}){advice}"
 
 
 def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:
@@ -162,8 +164,10 @@ def request_document(span: RequestSpan, service: str | None, how: str, sched: Re
         "sched": {**sched.as_dict(), "limits": limits or []} if sched is not None else None,
         "sched_resolution_seconds": sched.resolution_seconds if sched is not None else None,
         # False when the figures were taken before the kernel side covered the
-        # whole request (the source fell behind); they may then be low.
-        "sched_complete": complete and sched is not None,
+        # whole request (the source fell behind), or the kernel's event stream
+        # dropped events while it ran; they may then be low.
+        "sched_complete": complete and sched is not None and not sched.dropped_events,
+        "sched_dropped_events": sched.dropped_events if sched is not None else 0,
         "slo": slo,
         # who delayed the request the most, preempting its work or holding the CPU it woke up to
         "culprits": [{"service": c.culprit, "wait_seconds": c.seconds}

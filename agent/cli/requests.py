@@ -99,7 +99,9 @@ def print_requests(doc: dict) -> None:
         by = r.get("culprits") or []
         table.add_row(
             r["request_id"], r["service"], fmt_seconds(r.get("e2e")), fmt_seconds(r.get("ttft")),
-            fmt_seconds(sched.get("delay_seconds")), fmt_seconds(sched.get("runq_thread_seconds")),
+            # "≥": the event stream dropped events while it ran, a lower bound
+            ("≥" if r.get("sched_dropped_events") else "") + fmt_seconds(sched.get("delay_seconds")),
+            fmt_seconds(sched.get("runq_thread_seconds")),
             str(sched.get("preemptions", "-")),
             f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by else "-",
             _slo_text(r.get("slo") or []), r.get("verdict", ""),
@@ -204,6 +206,10 @@ def print_explain(doc: dict) -> None:
                       f"iowait {fmt_seconds(sched['iowait_seconds'])}   "
                       f"resolution {fmt_seconds(doc.get('sched_resolution_seconds'))}"
                       + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))
+        if doc.get("sched_dropped_events"):
+            console.print(f"[yellow]a lower bound: the kernel's event stream dropped {doc['sched_dropped_events']} "
+                          "events while this request ran (its rate limit: raise event_rate in the config "
+                          "file)[/]")
         threads = sched.get("by_thread") or []
         if threads:
             where = Table(title="run-queue wait by process and thread", title_justify="left", box=None,

@@ -46,7 +46,12 @@ class MapSizes:
     hist_cache: int = HIST_CACHE
     blame_cache: int = BLAME_CACHE
     event_pages: int = 1024          # 4 MiB of ring buffer with 4 KiB pages
-    event_rate: int = 50000          # events per CPU per ~1.07 s
+    event_rate: int = 53687          # events per CPU per 2^30 ns window: events_per_window(50000 a second)
+
+
+def events_per_window(per_second: int) -> int:
+    """The programs count events in windows of 2^30 ns (~1.07 s)."""
+    return round(per_second * (1 << 30) / 1e9)
 
 
 def bpf_source_dir() -> Path:
@@ -311,6 +316,12 @@ class Probe:
         self._bpf.ring_buffer_consume()
         records, self._records = self._records, []
         return np.frombuffer(b"".join(records), dtype=EVENT_ROW)
+
+    def dropped_events(self) -> int:
+        """Events the stream dropped since load, all CPUs: a full ring buffer
+        and the rate limit (the errors array, read without draining it)."""
+        err = self._bpf[b"errors"]
+        return sum(int(sum(err.getvalue(i))) for i, name in enumerate(ERROR_MAPS) if name.startswith("events"))
 
     def drain_events(self) -> list[SchedEvent]:
         """Every event the ring buffer holds, oldest first."""

@@ -132,8 +132,8 @@ def test_results_are_frozen() -> None:
         (
             "intervall: 2",
             "config.yaml: unknown key 'intervall' "
-            "(known keys: interval, retention, max_services, buckets_per_octave, attach_mode, histograms, services, "
-            "slos, request_spans, otlp_relays, web_config_file, engines)",
+            "(known keys: interval, retention, max_services, buckets_per_octave, attach_mode, event_rate, "
+            "histograms, services, slos, request_spans, otlp_relays, web_config_file, engines)",
         ),
         (
             "services:\n  - name: a\n    comm: x\n  - name: b\n    cgroup: 3\n",
@@ -306,3 +306,16 @@ def test_engines_name_a_service_and_its_metrics_url() -> None:
     with pytest.raises(ConfigError) as exc:
         parse("engines:\n  - url: http://h/metrics\n")
     assert "engines[0].service: expected the service's name" in str(exc.value)
+
+
+def test_the_event_streams_rate_limit_is_a_setting_with_bounds():
+    from agent.config import DEFAULT_EVENT_RATE
+    from agent.probe.loader import MapSizes, events_per_window
+
+    assert parse_config({"event_rate": 200000}, "c.yaml").event_rate == 200000
+    assert parse_config({}, "c.yaml").event_rate == DEFAULT_EVENT_RATE
+    # The programs count in windows of 2^30 ns: the default per second is the loader's default per window.
+    assert events_per_window(DEFAULT_EVENT_RATE) == MapSizes().event_rate
+    for bad in (0, 999, 10_000_001, "fast", 1.5):
+        with pytest.raises(ConfigError, match="event_rate: expected a whole number of events per CPU per second"):
+            parse_config({"event_rate": bad}, "c.yaml")

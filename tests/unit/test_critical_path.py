@@ -11,7 +11,7 @@ import pytest
 from agent.attribution.critical_path import critical_delay
 from agent.attribution.request_sched import EventSched, capped_delay
 from agent.attribution.request_span import RequestSpan
-from agent.attribution.requests import phase_windows
+from agent.attribution.requests import phase_windows, request_document
 from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, EV_RUNQ, SchedEvent
 from agent.store.events import EventLog
 
@@ -229,3 +229,24 @@ def test_the_part_of_a_wait_the_services_own_limit_held_is_its_own_cause():
                                      "idle": pytest.approx(0.0005, abs=2e-6)}
     assert doc["delay_by"][0] == {"service": "vllm", "cause": "cpu_limit", "seconds": pytest.approx(0.050, abs=2e-6)}
     assert sum(d["seconds"] for d in doc["delay_by"]) == pytest.approx(got.delay_seconds)
+
+
+def test_a_request_that_ran_while_the_stream_dropped_events_is_marked(caplog):
+    """The kernel's event stream drops what its rate limit refuses: a request
+    that ran meanwhile says so (a lower bound), one that did not stays
+    complete, and the agent warns once a minute, not once a drain."""
+    sched, start = engine_scene()
+    sched.ingest([], start - 1.0, dropped_total=0)
+    sched.ingest([], start + 0.050, dropped_total=120)     # 120 dropped during the request
+    sched.ingest([], start + 0.150, dropped_total=120)
+    sched.ingest([], start + 0.250, dropped_total=125)     # 5 more, after it
+    got = sched.between("vllm", start, start + 0.100)
+    assert got.dropped_events == 120 and got.as_dict()["dropped_events"] == 120
+    assert sched.dropped_between(start + 0.160, start + 0.300) == 5
+    assert sched.dropped_between(start - 2.0, start - 1.5) == 0   # drops are placed between two drains
+    doc = request_document(RequestSpan("r1", "ab" * 16, "cd" * 8, None, start, start + 0.1, 0.1), "vllm",
+                           "connection", got, [], True)
+    assert doc["sched_complete"] is False and doc["sched_dropped_events"] == 120
+    assert "at least: the event stream dropped 120 events meanwhile" in doc["verdict"]
+    warnings = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(warnings) == 1 and "event_rate" in warnings[0].getMessage()

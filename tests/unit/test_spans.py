@@ -328,7 +328,7 @@ def test_request_document_has_the_spec_shape():
                             "delay_by": [{"service": "batch", "cause": "neighbour", "seconds": 0.19},
                                          {"service": "unknown", "cause": "unknown", "seconds": pytest.approx(0.02)}],
                             "delay_by_cause": {"neighbour": 0.19, "unknown": pytest.approx(0.02)},
-                            "limit_thread_seconds": 0.0, "limits": [],
+                            "limit_thread_seconds": 0.0, "dropped_events": 0, "limits": [],
                             "runq_thread_seconds": 0.84, "runq_wait_seconds": 0.84, "preemptions": 37,
                             "preempted_by": [{"service": "batch", "wait_seconds": 0.76}],
                             "waited_behind": [], "iowait_seconds": 0.0, "migrations": 3, "by_thread": [],
