@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
+from bench.compiler_libraries import COMPILER_LIBRARIES, private_compiler_libraries
 from bench.memcg import MemoryCgroup, drop_page_cache
 from bench.tools import attach_seconds_in, free_port, log_tail, spawn, stop
 
@@ -80,21 +81,6 @@ def status(pid: int) -> dict[str, int]:
             if key in FIELDS:
                 out[key] = int(value.split()[0]) * 1024
     return out
-
-
-COMPILER_LIBRARIES = ("libLLVM-14.so.1", "libclang-cpp.so.14")
-LIBRARY_DIRS = (Path("/lib/x86_64-linux-gnu"), Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib/llvm-14/lib"))
-
-
-def private_compiler_libraries(into: Path) -> dict[str, str]:
-    """Copy the compiler libraries libbcc links into `into`; the environment
-    that makes the agent load them from there (no other process maps them)."""
-    for name in COMPILER_LIBRARIES:
-        src = next((d / name for d in LIBRARY_DIRS if (d / name).exists()), None)
-        if src is None:
-            raise RuntimeError(f"{name} not found in {', '.join(map(str, LIBRARY_DIRS))}: is python3-bpfcc installed?")
-        shutil.copy2(src.resolve(), into / name)
-    return {"LD_LIBRARY_PATH": str(into)}
 
 
 def llvm_sharers(own: int, library: str) -> int:

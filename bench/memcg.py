@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator
 
 from agent.probe import footprint
 from bench import report
+from bench.compiler_libraries import COMPILER_LIBRARIES, private_compiler_libraries
 from bench.tools import free_port, log_tail, spawn, stop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -390,7 +391,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.footprint import COMPILER_LIBRARIES, private_compiler_libraries
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)

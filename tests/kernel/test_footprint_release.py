@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.probe.footprint import COMPILER_LIBRARIES
-from bench.footprint import private_compiler_libraries
+from bench.compiler_libraries import private_compiler_libraries
 
 pytestmark = pytest.mark.kernel
 
