@@ -24,6 +24,7 @@ from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, 
                                 TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, EVENT_ROW, HIST_ROW, KERNEL_CGID,
                                   ProbeSnapshot, ProgramStats, SchedEvent, events_of)
+from agent.probe.ring import RingReader
 from agent.probe.tracing import TracingPrograms
 
 BATCH = 4096
@@ -159,8 +160,7 @@ class Probe:
         self._buffers: dict[str, tuple] = {}
         self.load_mono_ns = monotonic_ns()
         self.load_wall = time.time()
-        self._records: list[bytes] = []
-        self._ring_open = False
+        self._ring: RingReader | None = None   # the event stream, once something is watched
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "btf", "raw" or "classic" tracepoints
         # Why "auto" fell back from "btf" to "raw" on this kernel, if it did.
@@ -224,6 +224,9 @@ class Probe:
         return self._bpf
 
     def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         if self._tracing is not None:
             self._tracing.close()
             self._tracing = None
@@ -249,9 +252,9 @@ class Probe:
             del table[table.Key(cgid)]
         for cgid in cgids - current:
             table[table.Key(cgid)] = table.Leaf(1)
-        if cgids and not self._ring_open:
-            self._bpf[b"events"].open_ring_buffer(self._on_event)
-            self._ring_open = True
+        if cgids and self._ring is None:
+            events = self._bpf[b"events"]
+            self._ring = RingReader(events.map_fd, events.max_entries, EVENT_ROW)
         self._ctl.watch_on = 1 if cgids else 0
         self._write_ctl()
 
@@ -302,20 +305,11 @@ class Probe:
                 continue
         return marked
 
-    def _on_event(self, ctx, data, size) -> int:
-        # Called once per record by libbpf: keep the bytes and nothing else,
-        # the drain decodes them all at once. An int, or BCC's wrapper raises
-        # and catches an exception per record converting the None.
-        self._records.append(ct.string_at(data, size))
-        return 0
-
     def drain_event_rows(self) -> np.ndarray:
         """Every event the ring buffer holds, oldest first, as EVENT_ROW rows."""
-        if not self._ring_open:
+        if self._ring is None:
             return np.empty(0, dtype=EVENT_ROW)
-        self._bpf.ring_buffer_consume()
-        records, self._records = self._records, []
-        return np.frombuffer(b"".join(records), dtype=EVENT_ROW)
+        return self._ring.drain()
 
     def dropped_events(self) -> int:
         """Events the stream dropped since load, all CPUs: a full ring buffer
