@@ -19,6 +19,16 @@ from agent.config import Slo
 __all__ = ["attribution", "service_record"]
 
 
+def unlimited_quantiles(runq: Any, limited: Any) -> dict:
+    """The quantiles of the waits the service's own CPU limit did not hold:
+    what contention alone gives it (absent when the limit held none)."""
+    if not limited.count:
+        return {}
+    rest = runq.without(limited)
+    return {"without_limit": {"count": rest.count, "p50": rest.quantile(0.5), "p95": rest.quantile(0.95),
+                              "p99": rest.quantile(0.99)}}
+
+
 def service_record(service: str, start: float, end: float, figures: Any, slos: tuple[Slo, ...] = (),
                    throttled_seconds: float = 0.0,
                    breaches: Mapping[tuple[str, str], int] | None = None) -> dict:
@@ -51,11 +61,13 @@ def service_record(service: str, start: float, end: float, figures: Any, slos: t
             "by_cause": wait_by_cause(service, figures),
         },
         # The part of the waits the service's own CPU limit held, measured
-        # per wait, and the share of the waits at or above the P99 it held in part.
+        # per wait, and the share of the waits at or above the P99 it held in
+        # part; the quantiles of the waits it did not touch: contention alone.
         "cpu_limit": {
             "count": figures.limited.count,
             "wait_seconds": figures.limited.wait_ns / 1e9,
             "p99_share": tail_share(runq, figures.runq_limited, 0.99),
+            **unlimited_quantiles(runq, figures.runq_limited),
         },
         "preemption": {
             "count": preempt_count,

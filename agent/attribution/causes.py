@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from agent.probe.layout import CAUSES
-from agent.store.histogram import slot_of
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE
 
 __all__ = ["CAUSES", "CPU_LIMIT_CAUSE", "IDLE_CAUSE", "KERNEL_CAUSE", "NEIGHBOUR", "OWN_THREADS", "UNKNOWN",
@@ -74,6 +73,6 @@ def tail_share(runq: Any, limited: Any, q: float) -> float:
     CPU limit held in part: 1.0 reads "the tail is all its own limit"."""
     if not runq.count:
         return 0.0
-    slot = slot_of(int(runq.quantile(q) * 1e9))
+    slot = runq.quantile_slot(q)
     above = runq.count_from(slot)
     return limited.count_from(slot) / above if above else 0.0

@@ -170,6 +170,20 @@ class Histogram(Mapping[int, Bucket]):
         """Sum of two histograms: histograms of disjoint samples add slot-wise."""
         return Histogram.total((self, other))
 
+    def without(self, part: Histogram) -> Histogram:
+        """The samples of self that are not in `part`, a histogram of some of
+        them (the same waits counted again): slot-wise differences, floored
+        at zero where the two were read a drain apart."""
+        counts = np.zeros(HIST_SLOTS, np.int64)
+        sums = np.zeros(HIST_SLOTS, np.int64)
+        counts[self._slots], sums[self._slots] = self._counts, self._sums
+        np.subtract.at(counts, part._slots, part._counts)
+        np.subtract.at(sums, part._slots, part._sums)
+        np.maximum(counts, 0, out=counts)
+        np.maximum(sums, 0, out=sums)
+        used = np.flatnonzero((counts != 0) | (sums != 0))
+        return Histogram.from_arrays(used, counts[used], sums[used])
+
     def __add__(self, other: Histogram) -> Histogram:
         if not isinstance(other, Histogram):
             return NotImplemented
@@ -214,6 +228,16 @@ class Histogram(Mapping[int, Bucket]):
         before = int(cum[i] - self._counts[i])
         b = Bucket(int(self._counts[i]), int(self._sums[i]))
         return _value_in_slot(int(self._slots[i]), b, rank - before) / _NS_PER_S
+
+    def quantile_slot(self, q: float) -> int:
+        """The slot holding the q-quantile's rank (quantile() interpolates inside it); -1 when empty."""
+        if not self._count:
+            return -1
+        cum = np.cumsum(self._counts)
+        i = int(np.searchsorted(cum, q * self._count, side="left"))
+        while self._counts[i] == 0:
+            i += 1
+        return int(self._slots[i])
 
     def count_from(self, slot: int) -> int:
         """Count of samples in `slot` and the slots above it."""

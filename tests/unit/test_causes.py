@@ -47,18 +47,26 @@ def test_every_wait_is_split_by_cause_and_the_parts_add_up():
 
 
 def test_the_tail_reads_as_its_own_limit():
-    # 990 short waits behind others and 10 long ones the limit held: the P99
+    # 980 short waits behind others and 20 long ones the limit held: the P99
     # lies among the long ones, and every wait at or above it is the limit's.
-    w = window([80 * MS] * 10, [1 * MS] * 990, limit_ns=790 * MS)
+    w = window([80 * MS] * 20, [1 * MS] * 980, limit_ns=1580 * MS)
     assert tail_share(w.runq, w.runq_limited, 0.99) == 1.0
-    assert tail_share(w.runq, w.runq_limited, 0.5) == pytest.approx(10 / 1000)
+    assert tail_share(w.runq, w.runq_limited, 0.5) == pytest.approx(20 / 1000)
+    # With 1% long waits the P99 is the last short one: its slot holds them all.
+    one_percent = window([80 * MS] * 10, [1 * MS] * 990, limit_ns=790 * MS)
+    assert tail_share(one_percent.runq, one_percent.runq_limited, 0.99) == pytest.approx(10 / 1000)
     record = service_record("vllm", 0.0, 60.0, w)
-    assert record["cpu_limit"] == {"count": 10, "wait_seconds": pytest.approx(0.790), "p99_share": 1.0}
-    assert record["runq"]["by_cause"]["cpu_limit"] == pytest.approx(0.790)
+    without = record["cpu_limit"].pop("without_limit")
+    assert record["cpu_limit"] == {"count": 20, "wait_seconds": pytest.approx(1.580), "p99_share": 1.0}
+    # The waits the limit did not hold: the 980 of 1 ms, contention alone.
+    assert without["count"] == 980 and without["p99"] == pytest.approx(0.001, rel=0.07)
+    assert record["runq"]["p99"] > 0.05
+    assert record["runq"]["by_cause"]["cpu_limit"] == pytest.approx(1.580)
     assert "100% of the waits at or above it held by its own CPU limit" in record["verdict"]
     # Contention alone: no tail share.
     calm = window([], [1 * MS] * 100, limit_ns=0)
     assert tail_share(calm.runq, calm.runq_limited, 0.99) == 0.0
+    assert "without_limit" not in service_record("vllm", 0.0, 60.0, calm)["cpu_limit"]
 
 
 def test_blame_takes_the_measured_limit_not_the_groups_throttled_time():
