@@ -7,11 +7,17 @@ a hog on every CPU and a few victims that sleep 0.2 ms and work 0.05 ms in a
 watched cgroup, and drains the ring buffer into an EventLog every 0.1 s, as the
 daemon does, timing the draining thread's CPU: µs per event and % of a core.
 
+--spinners N puts instead N threads that spin on sched_yield() on one CPU in
+the watched cgroup, as the shared-memory readers of an engine with several
+cores do: a flood of short waits, the rate the stream and the agent sustain
+(no rate limit, unless --event-rate sets one; dropped events are counted).
+
 --against REV measures the same in a checkout of REV too (a git worktree),
 alternating the two round by round: each measurement runs in a process of its
 own with that checkout's `agent` and `tests` first on the path.
 
 usage: sudo .venv/bin/python -m bench.event_cost [--against REV] [--rounds N] [--seconds S]
+                                                 [--spinners N] [--event-rate PER_CPU_PER_S]
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import time
 from pathlib import Path
 
 
-def measure(seconds: float, victims: int) -> dict:
+SPIN = "import os, time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    os.sched_yield()\n"
+
+
+def measure(seconds: float, victims: int, spinners: int = 0, event_rate: int = 10_000_000) -> dict:
     """One measurement with whichever `agent` is first on the path."""
     from agent.daemon import EVENT_DRAIN_S
     from agent.probe import features
@@ -35,19 +44,25 @@ def measure(seconds: float, victims: int) -> dict:
     from agent.store.events import EventLog
     from tests.support.workload import TestCgroup, hog_argv, victim_argv
 
-    probe = Probe.load(features.detect(), MapSizes(event_rate=10_000_000))
+    probe = Probe.load(features.detect(), MapSizes(event_rate=round(event_rate * (1 << 30) / 1e9)))
     # Checkouts before the bulk decode have only drain_events().
     drain = getattr(probe, "drain_event_rows", probe.drain_events)
+    dropped = getattr(probe, "dropped_events", lambda: 0)
     try:
         with TestCgroup("bench-noisy") as noisy, TestCgroup("bench-watched") as watched:
-            for cpu in range(os.cpu_count() or 1):
-                noisy.spawn(hog_argv(cpu=cpu))
-            for _ in range(victims):
-                watched.spawn(victim_argv(seconds + 3, sleep_ms=0.2, work_ms=0.05))
+            if spinners:
+                for _ in range(spinners):
+                    watched.spawn(["taskset", "-c", "0", sys.executable, "-c", SPIN.format(seconds=seconds + 3)])
+            else:
+                for cpu in range(os.cpu_count() or 1):
+                    noisy.spawn(hog_argv(cpu=cpu))
+                for _ in range(victims):
+                    watched.spawn(victim_argv(seconds + 3, sleep_ms=0.2, work_ms=0.05))
             probe.watch({watched.id})
             log = EventLog(retention_ns=60 * 10**9)
             time.sleep(1)
             drain()
+            dropped_before = dropped()
             cpu = 0.0
             events = drains = 0
             deadline = time.monotonic() + seconds
@@ -59,15 +74,17 @@ def measure(seconds: float, victims: int) -> dict:
                 cpu += time.thread_time() - t0
                 events += len(batch)
                 drains += 1
+            lost = dropped() - dropped_before
     finally:
         probe.close()
-    return {"events": events, "drains": drains, "seconds": seconds, "cpu_s": cpu,
+    return {"events": events, "drains": drains, "seconds": seconds, "cpu_s": cpu, "dropped": lost,
             "us_per_event": cpu * 1e6 / max(events, 1), "core_pct": 100 * cpu / seconds}
 
 
-def run_in(checkout: Path, seconds: float, victims: int) -> dict:
+def run_in(checkout: Path, seconds: float, victims: int, spinners: int = 0, event_rate: int = 10_000_000) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(seconds), str(victims)],
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", str(seconds), str(victims),
+                           str(spinners), str(event_rate)],
                           cwd=checkout, env=env, capture_output=True, text=True, timeout=seconds + 120)
     if done.returncode != 0:
         raise RuntimeError(f"the measurement in {checkout} failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -80,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="measurements per checkout (default 3)")
     p.add_argument("--seconds", type=float, default=10.0, help="length of each measurement (default 10)")
     p.add_argument("--victims", type=int, default=4, help="waking tasks in the watched cgroup (default 4)")
+    p.add_argument("--spinners", type=int, default=0,
+                   help="instead, threads spinning on sched_yield() on CPU 0 in the watched cgroup: a flood")
+    p.add_argument("--event-rate", type=int, default=10_000_000,
+                   help="the stream's rate limit, events per CPU per second (default: none reached)")
     args = p.parse_args(argv)
     from bench.run import ROOT   # here: a measurement's process has another checkout's packages first
     if os.geteuid() != 0:
@@ -100,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.rounds):
                 order = list(arms) if i % 2 == 0 else list(arms)[::-1]
                 for name in order:
-                    r = run_in(arms[name], args.seconds, args.victims)
+                    r = run_in(arms[name], args.seconds, args.victims, args.spinners, args.event_rate)
                     results[name].append(r)
                     print(f"round {i + 1}/{args.rounds} {name}: {r['events'] / r['seconds']:,.0f} events/s, "
+                          f"{r.get('dropped', 0):,} dropped, "
                           f"{r['us_per_event']:.2f} µs CPU per event, {r['core_pct']:.2f}% of a core", flush=True)
         except RuntimeError as e:
             print(f"bench.event_cost: {e}", file=sys.stderr)
@@ -121,6 +143,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--measure"]:
         here = Path(__file__).resolve().parent   # the checkout's packages, not bench/'s files
         sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != here]
-        print(json.dumps(measure(float(sys.argv[2]), int(sys.argv[3]))))
+        extra = [int(a) for a in sys.argv[4:6]]   # spinners and the event rate
+        print(json.dumps(measure(float(sys.argv[2]), int(sys.argv[3]), *extra)))
         sys.exit(0)
     sys.exit(main())
