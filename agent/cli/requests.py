@@ -91,20 +91,23 @@ def print_requests(doc: dict) -> None:
 
     table = Table()
     numbers = ("e2e", "ttft", "cpu delay", "thread-s", "preempt")
-    for col in ("request", "service", "e2e", "ttft", "cpu delay", "thread-s", "preempt", "top culprit", "SLO",
+    for col in ("request", "service", "e2e", "ttft", "cpu delay", "thread-s", "preempt", "top cause", "SLO",
                 "verdict"):
         table.add_column(col, justify="right" if col in numbers else "left", overflow="fold")
     for r in doc.get("requests", []):
         sched = r.get("sched") or {}
         by = r.get("culprits") or []
+        first = (sched.get("delay_by") or [None])[0]
+        top = (f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by and (
+            first is None or first.get("cause", "neighbour") in ("neighbour", "own_threads", "kernel"))
+            else f"{cause_label(first, r['service']).strip()} ({fmt_seconds(first['seconds'])})" if first else "-")
         table.add_row(
             r["request_id"], r["service"], fmt_seconds(r.get("e2e")), fmt_seconds(r.get("ttft")),
             # "≥": the event stream dropped events while it ran, a lower bound
             ("≥" if r.get("sched_dropped_events") else "") + fmt_seconds(sched.get("delay_seconds")),
             fmt_seconds(sched.get("runq_thread_seconds")),
             str(sched.get("preemptions", "-")),
-            f"{by[0]['service']} ({fmt_seconds(by[0]['wait_seconds'])})" if by else "-",
-            _slo_text(r.get("slo") or []), r.get("verdict", ""),
+            top, _slo_text(r.get("slo") or []), r.get("verdict", ""),
         )
     _console().print(table)
 
@@ -206,6 +209,9 @@ def print_explain(doc: dict) -> None:
                       f"iowait {fmt_seconds(sched['iowait_seconds'])}   "
                       f"resolution {fmt_seconds(doc.get('sched_resolution_seconds'))}"
                       + ("" if doc.get("sched_complete", True) else "   (figures incomplete)"))
+        for limit in sched.get("limits") or []:
+            console.print(f"CPU limit: {limit['setting']} ({limit['cpus']:.3g} CPU) on {limit['cgroup']}"
+                          + (f", the {limit['level']}'s cgroup" if limit["level"] != "cgroup" else ""))
         if doc.get("sched_dropped_events"):
             console.print(f"[yellow]a lower bound: the kernel's event stream dropped {doc['sched_dropped_events']} "
                           "events while this request ran (its rate limit: raise event_rate in the config "

@@ -196,6 +196,27 @@ def test_explain_draws_each_phases_cpu_wait_under_it():
     assert bar.plain == "··████····"
 
 
+def test_explain_and_the_listing_name_the_limit_as_the_cause(capsys):
+    from agent.cli.requests import print_explain, print_requests, timeline
+
+    limit = {"cgroup": "/kubepods/burstable/pod1234", "setting": "cpu.max 50000 100000", "quota_seconds": 0.05,
+             "period_seconds": 0.1, "cpus": 0.5, "level": "pod"}
+    doc = {"request_id": "r1", "service": "vllm", "e2e": 0.3, "ttft": 0.1, "phases": {},
+           "sched": {"delay_seconds": 0.21, "delay_by": [{"service": "vllm", "cause": "cpu_limit", "seconds": 0.19},
+                                                         {"service": "idle", "cause": "idle", "seconds": 0.02}],
+                     "runq_thread_seconds": 0.4, "preemptions": 3, "migrations": 0, "iowait_seconds": 0.0,
+                     "limits": [limit]},
+           "culprits": [], "slo": [], "verdict": "its own CPU limit (...) added 0.19 s", "sched_complete": True}
+    rows = [(label, duration) for label, _, duration in timeline(doc, width=10)]
+    assert ("  its own CPU limit", "0.19 s") in rows and ("  idle CPU (wake-up)", "20 ms") in rows
+    print_explain(doc)
+    out = capsys.readouterr().out
+    assert "CPU limit: cpu.max 50000 100000 (0.5 CPU) on /kubepods/burstable/pod1234, the pod's cgroup" in " ".join(out.split())
+    print_requests({"requests": [doc]})
+    out = capsys.readouterr().out
+    assert "its own CPU limit" in out and "(0.19 s)" in out
+
+
 def test_the_part_of_a_wait_the_services_own_limit_held_is_its_own_cause():
     """A limited engine loop: the kernel splits each throttled wait into the
     limit's part (EV_LIMIT) and the rest, after the limit lifted, charged to
