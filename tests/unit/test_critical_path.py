@@ -196,8 +196,10 @@ def test_explain_draws_each_phases_cpu_wait_under_it():
     assert bar.plain == "··████····"
 
 
-def test_explain_and_the_listing_name_the_limit_as_the_cause(capsys):
+def test_explain_and_the_listing_name_the_limit_as_the_cause(capsys, monkeypatch):
     from agent.cli.requests import print_explain, print_requests, timeline
+
+    monkeypatch.setenv("COLUMNS", "250")   # a wide terminal: rich folds cells to fit
 
     limit = {"cgroup": "/kubepods/burstable/pod1234", "setting": "cpu.max 50000 100000", "quota_seconds": 0.05,
              "period_seconds": 0.1, "cpus": 0.5, "level": "pod"}
@@ -211,7 +213,8 @@ def test_explain_and_the_listing_name_the_limit_as_the_cause(capsys):
     assert ("  its own CPU limit", "0.19 s") in rows and ("  idle CPU (wake-up)", "20 ms") in rows
     print_explain(doc)
     out = capsys.readouterr().out
-    assert "CPU limit: cpu.max 50000 100000 (0.5 CPU) on /kubepods/burstable/pod1234, the pod's cgroup" in " ".join(out.split())
+    line = "CPU limit: cpu.max 50000 100000 (0.5 CPU) on /kubepods/burstable/pod1234, the pod's cgroup"
+    assert line in " ".join(out.split())
     print_requests({"requests": [doc]})
     out = capsys.readouterr().out
     assert "its own CPU limit" in out and "(0.19 s)" in out
