@@ -17,8 +17,6 @@ add up to more than the batch's own wall-clock wait.
 
 from __future__ import annotations
 
-import bisect
-import json
 import os
 import statistics
 import subprocess
@@ -29,16 +27,18 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from tests.support import needs_kernel
-from tests.support.agent import REPO, SLATRACE, Agent, free_port, http_get
+from tests.support.agent import REPO, SLATRACE, Agent, free_port
 from tests.support.cpu_weight import CpuWeight
-from tests.support.tracefs import DEFAULT_EVENTS, SchedSwitch, TraceRecorder, reference
+from tests.support.request_reference import (SpanIndex, clipped_waits, cpu_occupancy, is_critical, request_window,
+                                             union_ns, who_ran)
+from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
 from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.workload import TestCgroup, hog_argv
+from tests.support.vllm_scene import Neighbour, ThreadCensus, wait_for_engine, wait_for_requests, worker_cpus
+from tests.support.workload import TestCgroup
 
 pytestmark = pytest.mark.e2e
 
@@ -54,104 +54,6 @@ PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
            "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 REL, ABS = 0.30, 0.020           # the counterfactual's tolerance
 WARM_UP = 3
-
-
-def wait_for_requests(agent: Agent, wanted: set[str], timeout: float = 60.0) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    got: dict[str, dict] = {}
-    while not wanted <= set(got) and time.monotonic() < deadline:
-        status, body = http_get(agent.url + f"/api/v1/requests?service={SERVICE}", timeout=30)
-        if status == 200:
-            got = {r["request_id"]: r for r in json.loads(body)["requests"]}
-        time.sleep(0.5)
-    return got
-
-
-class ThreadCensus:
-    """tid -> (pid, process name, thread name) of every thread seen in the
-    cgroup while the context lasts (every 50 ms): threads come and go, and
-    rename themselves (a pool's thread starts under its creator's name), so
-    every name a tid was seen under is kept beside the latest."""
-
-    def __init__(self, cgroup: TestCgroup) -> None:
-        self.cgroup = cgroup
-        self.names: dict[int, tuple[int, str, str]] = {}
-        self.every_name: dict[int, set[tuple[int, str, str]]] = defaultdict(set)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while True:
-            # The latest names: a process takes its title (VLLM::EngineCore) after it starts.
-            now = thread_names(self.cgroup)
-            self.names.update(now)
-            for tid, key in now.items():
-                self.every_name[tid].add(key)
-            if self._stop.wait(0.05):
-                return
-
-    def __enter__(self) -> "ThreadCensus":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
-def wait_for_engine(agent: Agent, requests: int, after: float = 0.0, timeout: float = 30.0) -> dict:
-    """/api/v1/engines once the engine's histograms hold every request sent,
-    from a scrape taken after `after` (Unix seconds; it is scraped every 5 s)."""
-    deadline = time.monotonic() + timeout
-    doc: dict = {}
-    while time.monotonic() < deadline:
-        doc = agent.get_json(f"/api/v1/engines?service={SERVICE}&since=3600")
-        counts = [e["latency"].get("e2e", {}).get("count") for e in doc["engines"]]
-        if counts and counts[0] is not None and counts[0] >= requests and doc["engines"][0]["end"] > after:
-            break
-        time.sleep(1.0)
-    return doc
-
-
-def thread_names(cgroup: TestCgroup) -> dict[int, tuple[int, str, str]]:
-    """tid -> (pid, process name, thread name) of every thread in the cgroup now."""
-    out = {}
-    for pid in cgroup.pids():
-        try:
-            process = Path(f"/proc/{pid}/comm").read_text().strip()
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                out[int(tid)] = (pid, process, Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip())
-            except OSError:
-                pass
-    return out
-
-
-class Neighbour:
-    """CPU hogs, one on each of `cpus`, in their own service with ten times vLLM's weight."""
-
-    tids: set[int] = set()   # every hog ever started, for the reference
-
-    def __init__(self, cgroup: TestCgroup, weight: CpuWeight, cpus: list[int]) -> None:
-        self.cgroup, self.weight, self.cpus, self.procs = cgroup, weight, cpus, []
-
-    def __enter__(self) -> "Neighbour":
-        for cpu in self.cpus:
-            p = self.cgroup.spawn(hog_argv(cpu), stdout=subprocess.DEVNULL)
-            self.weight.add(p.pid)
-            Neighbour.tids.add(p.pid)
-            self.procs.append(p)
-        time.sleep(0.3)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait(10)
-        time.sleep(0.2)
 
 
 def interleaved(blocks: int, neighbour: Callable[[], Neighbour],
@@ -217,20 +119,19 @@ def scene(tmp_path_factory):
             for i in range(WARM_UP):  # first requests compile and allocate
                 engine.complete(PROMPTS[i], MAX_TOKENS)
             # Scraped once after the warm-up, before the requests that count: none straddles the window's start.
-            wait_for_engine(agent, 0, after=time.time() + 0.2)
+            wait_for_engine(agent, SERVICE, 0, after=time.time() + 0.2)
             # The neighbour shares the CPUs vLLM pins its model worker to.
-            cpus = sorted(os.sched_getaffinity(next(tid for tid, (_, process, _) in thread_names(infer).items()
-                                                    if process == "VLLM::Worker")))
+            cpus = worker_cpus(infer)
             offset_ns = time.time_ns() - time.monotonic_ns()
             neighbour = partial(Neighbour, noisy, weight, cpus)
             requests = interleaved(BLOCKS, neighbour, lambda mode, block: run_sequential(
                 engine, SEQUENTIAL_PER_BLOCK, mode, "sequential"))
             requests += interleaved(CONCURRENT_ROUNDS, neighbour, lambda mode, block: run_concurrent(
                 engine, mode, f"{mode}-{block}"))
-            got = wait_for_requests(agent, {r["request_id"] for r in requests})
+            got = wait_for_requests(agent, SERVICE, {r["request_id"] for r in requests})
             missing = [r["request_id"] for r in requests if r["request_id"] not in got]
             assert not missing, f"requests never attributed: {missing[:5]}; agent log: {agent.output()[-2000:]}"
-            engines = wait_for_engine(agent, len(requests))
+            engines = wait_for_engine(agent, SERVICE, len(requests))
             attributed = agent.get_json(f"/api/v1/attribution?service={SERVICE}&since=3600")["attribution"]
             one = max((r for r in requests if r["mode"] == "with"), key=lambda r: got[r["request_id"]]["e2e"])
             explain = subprocess.run(SLATRACE + ["explain", one["request_id"], "--agent", agent.url], cwd=REPO,
@@ -250,45 +151,8 @@ def scene(tmp_path_factory):
                "engine_url": engine.url, "attributed": attributed}
 
 
-class SpanIndex:
-    """The reference's waits in end order, to cut a window without reading them all."""
-
-    def __init__(self, spans) -> None:
-        self.spans = sorted(spans, key=lambda s: s.end_ns)
-        self.ends = [s.end_ns for s in self.spans]
-        self.longest = max((s.end_ns - s.start_ns for s in self.spans), default=0)
-
-    def overlapping(self, lo: int, hi: int):
-        i = bisect.bisect_right(self.ends, lo)
-        while i < len(self.spans) and self.ends[i] <= hi + self.longest:
-            s = self.spans[i]
-            if s.start_ns < hi:
-                yield s
-            i += 1
-
-
-def clipped_waits(index: SpanIndex, lo: int, hi: int) -> dict[int, list[tuple[int, int]]]:
-    out: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for s in index.overlapping(lo, hi):
-        out[s.tid].append((max(s.start_ns, lo), min(s.end_ns, hi)))
-    return out
-
-
-def union_ns(intervals: list[tuple[int, int]]) -> int:
-    total, reach = 0, None
-    for s, e in sorted(intervals):
-        if reach is None or s > reach:
-            total += e - s
-            reach = e
-        elif e > reach:
-            total += e - reach
-            reach = e
-    return total
-
-
 def window(scene, doc) -> tuple[int, int]:
-    off = scene["offset_ns"]
-    return int(doc["start"] * 1e9) - off, int(doc["end"] * 1e9) - off
+    return request_window(scene["offset_ns"], doc)
 
 
 def reference_figures(scene, doc) -> tuple[float, float, dict[tuple[int, str, str], float]]:
@@ -296,27 +160,11 @@ def reference_figures(scene, doc) -> tuple[float, float, dict[tuple[int, str, st
     names = scene["names"]
     lo, hi = window(scene, doc)
     waits = clipped_waits(scene["spans"], lo, hi)
-    critical = [iv for tid, ivs in waits.items() if tid in names and names[tid][1] == names[tid][2] for iv in ivs]
+    critical = [iv for tid, ivs in waits.items() if is_critical(names, tid) for iv in ivs]
     by: dict[tuple[int, str, str], float] = defaultdict(float)
     for tid, ivs in waits.items():
         by[names.get(tid, (0, "?", "?"))] += sum(e - s for s, e in ivs) / 1e9
     return union_ns(critical) / 1e9, sum(by.values()), by
-
-
-def cpu_occupancy(events) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Per CPU, who ran when: (starts, ends, tids) of every slice between two switches."""
-    out: dict[int, tuple[list[int], list[int], list[int]]] = defaultdict(lambda: ([], [], []))
-    current: dict[int, tuple[int, int]] = {}
-    for ev in events:
-        if isinstance(ev, SchedSwitch):
-            if ev.cpu in current:
-                start, tid = current[ev.cpu]
-                starts, ends, tids = out[ev.cpu]
-                starts.append(start)
-                ends.append(ev.ts_ns)
-                tids.append(tid)
-            current[ev.cpu] = (ev.ts_ns, ev.next_pid)
-    return dict(out)
 
 
 def reference_split(scene, doc) -> dict[str, float]:
@@ -324,46 +172,13 @@ def reference_split(scene, doc) -> dict[str, float]:
     waited for, instant by instant (from every switch tracefs saw): an exact
     reference for `delay_by`, computed another way than the agent's
     per-wait culprit. Categories: neighbour, self, idle, other."""
-    names, occupancy = scene["names"], scene["occupancy"]
     vllm_tids = scene["vllm_tids"]
-    lo, hi = window(scene, doc)
-    waits = [(max(s.start_ns, lo), min(s.end_ns, hi), s.cpu, s.tid) for s in scene["spans"].overlapping(lo, hi)
-             if s.tid in names and names[s.tid][1] == names[s.tid][2]]
-    edges = sorted((t, step, i) for i, (a, b, _, _) in enumerate(waits) for t, step in ((a, 1), (b, -1)))
-    split: dict[str, float] = defaultdict(float)
 
     def category(tid: int) -> str:
         return ("idle" if tid == 0 else "neighbour" if tid in Neighbour.tids else
                 "self" if tid in vllm_tids else "other")
 
-    active: dict[int, tuple[int, int]] = {}   # wait index -> (cpu, tid), swept in time order
-    last = None
-    for t1, step, i in edges:
-        t0, last = last, t1
-        if t0 is not None and t1 > t0 and active:
-            _charge(split, active.values(), t0, t1, occupancy, category)
-        if step > 0:
-            active[i] = waits[i][2:]
-        else:
-            active.pop(i, None)
-    return split
-
-
-def _charge(split: dict[str, float], active, t0: int, t1: int, occupancy, category) -> None:
-    """[t0, t1] of the delay, split evenly between the waiting threads, each
-    share by who ran on the CPU that thread waited for."""
-    active = list(active)
-    for cpu, waiter in active:
-        starts, ends, tids = occupancy.get(cpu, ([], [], []))
-        i = max(0, bisect.bisect_right(starts, t0) - 1)
-        covered = 0
-        while i < len(starts) and starts[i] < t1:
-            overlap = min(ends[i], t1) - max(starts[i], t0)
-            if overlap > 0 and tids[i] != waiter:
-                split[category(tids[i])] += overlap / len(active) / 1e9
-                covered += overlap
-            i += 1
-        split["other"] += max(0, (t1 - t0) - covered) / len(active) / 1e9
+    return who_ran(scene["spans"], scene["names"], scene["occupancy"], *window(scene, doc), category)
 
 
 def neighbour_delay(doc) -> float:
@@ -483,7 +298,7 @@ def test_a_step_loop_wait_delays_every_request_of_the_step(scene):
         lo = min(window(scene, d)[0] for d in ds)
         hi = max(window(scene, d)[1] for d in ds)
         waits = clipped_waits(scene["spans"], lo, hi)
-        whole = union_ns([iv for tid, ivs in waits.items() if tid in names and names[tid][1] == names[tid][2]
+        whole = union_ns([iv for tid, ivs in waits.items() if is_critical(names, tid)
                           for iv in ivs]) / 1e9
         total = sum(d["sched"]["delay_seconds"] for d in ds)
         overlap = sum(1 for a in ds for b in ds if a is not b and a["start"] < b["end"] and b["start"] < a["end"])
