@@ -333,7 +333,8 @@ class Daemon:
         self._check_tally(snap)
         record = self.store.ingest(snap, self._resolver.service_of)
         if record is not None:
-            self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service()))
+            limited = [name for name, f in record.services.items() if f.limited.count]
+            self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service(), limited))
             self.throttle.set_limits(self._throttle_reader.limits())
             self.breaches.observe(record.end, record.services)
         self.poll_seconds = time.monotonic() - t0

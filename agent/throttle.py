@@ -191,7 +191,11 @@ class ThrottleReader:
         self.map_builds = 0
         self.errors = 0
 
-    def poll(self, cgroups_by_service: Mapping[str, Iterable[str]]) -> dict[str, float]:
+    def poll(self, cgroups_by_service: Mapping[str, Iterable[str]],
+             limited: Iterable[str] = ()) -> dict[str, float]:
+        """`limited`: services the kernel saw held by a CPU limit in the
+        interval; one with no limit known yet is mapped again at once (a limit
+        set since its last look)."""
         if self.hierarchy is None:
             return {}
         wanted = {s: frozenset(p) for s, p in cgroups_by_service.items()}
@@ -201,7 +205,8 @@ class ThrottleReader:
         # map_refresh_s (processes move between v1 cgroups, quotas are set
         # later). Spread over the polls, a node's thousand services never
         # cost one poll a thousand directory walks at once.
-        stale = [s for s, paths in wanted.items() if not paths <= self._mapped_services.get(s, frozenset())]
+        stale = [s for s, paths in wanted.items() if not paths <= self._mapped_services.get(s, frozenset())
+                 or (s in limited and not self._quota_of.get(s))]
         stale_set = set(stale)
         rest = sorted(s for s in wanted if s not in stale_set)
         if self._mapped_at is None:
@@ -241,6 +246,8 @@ class ThrottleReader:
                 for cg in cgs:
                     if cg not in readings:
                         readings[cg] = self._delta(cg)
+                        if services is self._quota_of:
+                            self._reread_limit(cg)
                     total += readings[cg] or 0
                 if total:
                     out[service] = out.get(service, 0.0) + total / 1e9
@@ -251,9 +258,20 @@ class ThrottleReader:
             del self._limit[cg]
         return out
 
+    def _reread_limit(self, cg: _QuotaCgroup) -> None:
+        """A quota changed in place is seen at the next poll, not the next map."""
+        assert self.hierarchy is not None
+        limit = _read_limit(cg.path, self.hierarchy.root, cg.version)
+        if limit is None:
+            self._limit.pop(cg, None)
+        else:
+            self._limit[cg] = limit
+
     def limits(self) -> dict[str, tuple[CpuLimit, ...]]:
         """service -> the CPU limits on its cgroups (the nearest of each), as
-        read when the service was last mapped (within map_refresh_s)."""
+        read at the last poll (a limit set on a cgroup that had none is found
+        when the service is mapped again: at once when the kernel sees its
+        waits held by a limit, else within map_refresh_s)."""
         out = {}
         for service, cgs in self._quota_of.items():
             found = tuple(sorted((self._limit[cg] for cg in cgs if cg in self._limit), key=lambda limit: limit.cgroup))

@@ -133,7 +133,14 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None,
         what = "run-queue wait without a recorded culprit"
     lower = (f" (at least: the event stream dropped {sched.dropped_events} events meanwhile)"
              if sched.dropped_events else "")
-    return f"{what} added {fmt_seconds(top.seconds)}{lower} ({share}){advice}"
+    # A limit that held the request too, though less: named, since between
+    # throttles a limited service also waits longer behind others.
+    limited = next((c for c in ranked[1:] if c.kind == CPU_LIMIT_CAUSE), None)
+    also = (f"; {limit_words(limits or [])} also held it {fmt_seconds(limited.seconds)}"
+            if limited is not None and top.kind != CPU_LIMIT_CAUSE and (
+                limited.seconds >= SIGNIFICANT_SECONDS or limited.seconds >= SIGNIFICANT_SHARE * window)
+            else "")
+    return f"{what} added {fmt_seconds(top.seconds)}{lower} ({share}){advice}{also}"
 
 
 def judge(span: RequestSpan, slos: Iterable[Slo], service: str | None) -> list[dict]:

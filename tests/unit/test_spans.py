@@ -290,6 +290,11 @@ def test_the_services_own_cpu_limit_is_a_cause_named_with_its_setting():
     assert doc["sched"]["limits"] == [limit] and doc["culprits"] == []
     # Where the limit is not known, it is still named as the cause.
     assert verdict(span(), s, "vllm").startswith("its own CPU limit added 0.19 s")
+    # Second to a neighbour, but significant: named after it.
+    both = RequestSched(1.0, 0, (), 0.0, 0, 1e-6, delay_seconds=0.5,
+                        delay_by=(("batch", 0.4), ("cpu_limit", 0.08), ("idle", 0.02)), service="vllm")
+    assert verdict(span(), both, "vllm", [limit]).endswith(
+        "; its own CPU limit (cpu.max 50000 100000, 0.5 CPU, on the pod's cgroup) also held it 80 ms")
 
 
 def test_shares_are_of_the_requests_window_and_never_above_all_of_it():

@@ -111,3 +111,32 @@ def test_services_are_mapped_again_a_share_per_poll(tmp_path: Path, monkeypatch)
     now[0] += 0.01
     r.poll({**services, "s5": ["/s5", "/s5b"]})
     assert "s5" in mapped[-1]
+
+
+def test_limits_are_read_every_poll_and_a_new_one_found_when_the_kernel_sees_it(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    pod = _dir(v2, "/kubepods/pod1")
+    (pod / "cpu.max").write_text("max 100000\n")
+    (pod / "cpu.stat").write_text("usage_usec 1\nthrottled_usec 0\n")
+    leaf = "/kubepods/pod1/cri-containerd-0123"
+    (_dir(v2, leaf) / "cpu.max").write_text("max 100000\n")
+    now = [0.0]
+    r = ThrottleReader(CpuHierarchy(2, v2), v2, tmp_path / "proc", started_at=0.0, map_refresh_s=60,
+                       clock=lambda: now[0])
+    services = {"app": [leaf]}
+    r.poll(services)
+    assert r.limits() == {}
+    # The pod gets a limit; the map is not due for a minute, but the kernel
+    # saw the service's waits held by a limit: it is found at once.
+    (pod / "cpu.max").write_text("50000 100000\n")
+    r.poll(services)              # no time since the last map: no share of the services is due
+    assert r.limits() == {}
+    r.poll(services, limited=["app"])
+    (limit,) = r.limits()["app"]
+    assert (limit.cgroup, limit.setting, limit.cpus, limit.level) == (
+        "/kubepods/pod1", "cpu.max 50000 100000", 0.5, "pod")
+    # Changed in place: read again at the next poll.
+    (pod / "cpu.max").write_text("25000 100000\n")
+    builds = r.map_builds
+    r.poll(services)
+    assert r.limits()["app"][0].cpus == 0.25 and r.map_builds == builds
