@@ -28,6 +28,14 @@ def probe_each_mode(request):
     yield from _load(request.param)
 
 
+@pytest.fixture(params=["btf", "raw", "classic"])
+def unlimited_probe_each_mode(request):
+    """unlimited_probe on BTF-typed, then raw, then classic tracepoints (a
+    test picks some with indirect parametrization)."""
+    from agent.probe.loader import MapSizes
+    yield from _load(request.param, MapSizes(event_rate=10_000_000))
+
+
 def _load(tracepoints: str, sizes=None):
     reason = kernel_unavailable() or (None if importlib.util.find_spec("bcc") else "python3-bpfcc is not installed")
     if reason:

@@ -4,8 +4,11 @@ every attach mode the agent offers here, the real agent beside a hog and a
 victim sharing one CPU, against an exact reference from the raw tracefs
 events of the same run; then, on raw tracepoints, the recovery of waits after
 wake-ups the programs miss (tests/support/missed_wakeups.py), which reads
-kernel structs at this kernel's BTF offsets. Writes everything measured as JSON; the test on the
-host judges it (tests/qemu/test_kernels.py).
+kernel structs at this kernel's BTF offsets; then, on BTF-typed and raw
+tracepoints, a service throttled by its own CPU limit, alone on a CPU and
+beside a heavier neighbour (tests/support/cpu_limit.py), whose limit part the
+programs read from this kernel's throttle bookkeeping. Writes everything
+measured as JSON; the test on the host judges it (tests/qemu/test_kernels.py).
 
 usage: python -m tests.qemu.scene OUT.json [SECONDS]
 """
@@ -21,7 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.support import missed_wakeups
+from tests.support import cpu_limit, missed_wakeups
 from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.tracefs import TraceRecorder, percentile, reference
 from tests.support.workload import (TestCgroup, held_for_go, hog_argv, victim_argv, wait_blocked_in,
@@ -33,6 +36,12 @@ from tests.support.workload import (TestCgroup, held_for_go, hog_argv, victim_ar
 VICTIM_NICE = 10
 SHARED_CPU = 1
 INTERVAL = 0.5
+# The throttled service's quota and period: a throttle (0.4 s) outlasts a
+# snapshot of the probe under the emulator (up to ~0.2 s there: an RCU grace
+# period), which quiet_edge() must take inside one.
+LIMIT_QUOTA_US = 100_000
+LIMIT_PERIOD_US = 500_000
+LIMIT_SECONDS = 3.0
 
 
 def _check() -> dict:
@@ -145,6 +154,34 @@ def run_mode(mode: str, seconds: float) -> dict:
     return row
 
 
+def cpu_limit_scenes(modes: list[str]) -> dict:
+    """The throttled service in each mode that can tell the limit's part
+    alone, and beside the neighbour in the first (the one `auto` takes); and
+    the kernel's BTF evidence of the bookkeeping the programs read."""
+    from agent.probe import features
+    from agent.probe.loader import MapSizes, Probe
+
+    out: dict = {"bookkeeping": cpu_limit.btf_bookkeeping(), "rows": []}
+    f = features.detect()
+    telling = [m for m in modes if m != "classic"]   # classic cannot tell (tests/kernel/test_cpu_limit.py)
+    for mode in telling:
+        try:
+            probe = Probe.load(f, MapSizes(event_rate=10_000_000), tracepoints=mode)
+        except Exception:  # noqa: BLE001  (recorded for the host to judge)
+            out["rows"].append({"mode": mode, "neighbour": False, "error": traceback.format_exc()[-3000:]})
+            continue
+        try:
+            for neighbour in (False, True) if mode == telling[0] else (False,):
+                try:
+                    out["rows"].append(cpu_limit.measure(probe, LIMIT_SECONDS, neighbour, quota_us=LIMIT_QUOTA_US,
+                                                         period_us=LIMIT_PERIOD_US))
+                except Exception:  # noqa: BLE001
+                    out["rows"].append({"mode": mode, "neighbour": neighbour, "error": traceback.format_exc()[-3000:]})
+        finally:
+            probe.close()
+    return out
+
+
 def _everything_of(agent: Agent, service: str) -> dict:
     """The agent's run-queue count and wait total of a service over all it holds."""
     records = agent.get_json(f"/api/v1/attribution?service={service}&since=86400")["attribution"]
@@ -190,6 +227,7 @@ def main(argv: list[str]) -> int:
             doc["rows"].append(run_mode(mode, seconds))
         if "raw" in doc["modes"]:
             doc["recovery"] = missed_wakeups.measure()
+        doc["cpu_limit"] = cpu_limit_scenes(doc["modes"])
     except Exception:  # noqa: BLE001  (the host reports it)
         doc["error"] = traceback.format_exc()[-4000:]
     doc["seconds"] = time.monotonic() - t0

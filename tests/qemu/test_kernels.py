@@ -2,7 +2,10 @@
 booted in qemu (tests/support/qemu.py), each running tests/qemu/scene.py —
 the documented set-up, then in every attach mode the agent offers there, the
 real agent beside a hog and a victim sharing a CPU, against an exact
-reference from the raw tracefs events of the same run.
+reference from the raw tracefs events of the same run; and a service
+throttled by its own CPU limit, whose limit part the programs read from each
+kernel's own throttle bookkeeping, against cpu.stat and the idle-while-runnable
+reference of the same guest (tests/support/cpu_limit.py).
 
 The guests boot together (one emulated guest keeps one host CPU busy) after
 the host's row; each row is judged on its own. The kernels are fetched from
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kernel_unavailable, require_kernel
-from tests.support import missed_wakeups, qemu
+from tests.support import cpu_limit, missed_wakeups, qemu
 from tests.support.agent import REPO
 
 pytestmark = pytest.mark.kernel
@@ -32,6 +35,12 @@ SERIES = ("5.10", "6.1", "6.12")
 ROWS = ("host",) + SERIES
 SECONDS = 8.0                 # the victim's run in each mode
 GUEST_TIMEOUT_S = 1500.0
+# The throttle bookkeeping the programs read (agent/probe/btf.py LimitClock),
+# the newest the kernel's BTF has: cfs_rq.throttled_clock_self(_time) from
+# 6.7, throttled_clock_pelt(_time) from 5.19 (Debian's 5.10 has it too, a
+# stable backport: its BTF has no throttled_clock_task), the task clock before.
+LIMIT_CLOCK = {"5.10": "pelt", "6.1": "pelt", "6.12": "self"}
+LIMIT_FIELDS = (("self", "throttled_clock_self"), ("pelt", "throttled_clock_pelt"), ("task", "throttled_clock_task"))
 # The victim's wake-up at the go: the reference starts with every task
 # unknown and ignores a plain wakeup of one, as the programs do; they knew it.
 SLACK = 1
@@ -124,6 +133,8 @@ def summary(name: str, doc: dict) -> str:
                      f"{sum(row.get('program_misses', {}).values()):.0f}, stop {row.get('stop_exit')}")
     if "recovery" in doc:
         lines.append("  " + missed_wakeups.summary(doc["recovery"]))
+    for row in doc.get("cpu_limit", {}).get("rows", []):
+        lines.append("  " + cpu_limit.summary(row, emulated=name != "host"))
     return "\n".join(lines)
 
 
@@ -195,6 +206,32 @@ def judge_mode(name: str, row: dict) -> None:
     assert row["readyz"]["status"] == 200 or (skipped and "the kernel skipped" in row["readyz"]["body"]), \
         f"{where}: {row['readyz']}"
     assert row["stop_exit"] == 0, f"{where}: {row['log_tail']}"
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_cpu_limit_part(matrix: dict[str, dict], name: str) -> None:
+    """The limit's part of a throttled service's waits, read from this
+    kernel's bookkeeping at its BTF offsets, against cpu.stat and the tracefs
+    reference of the same guest. The neighbour's share of the rest is not
+    judged here: the older kernels' CFS lets the service catch up on its
+    quota at once after a refill, so its waits outside a throttle are mostly
+    its own threads' (the host's test judges it)."""
+    doc = matrix[name]
+    assert "error" not in doc, doc["error"]
+    limit = doc["cpu_limit"]
+    fields = limit["bookkeeping"]["cfs_rq"]
+    kind = next((k for k, field in LIMIT_FIELDS if field in fields), None)
+    assert kind == LIMIT_CLOCK.get(name, kind) and kind is not None, f"{name}: {limit['bookkeeping']}"
+    telling = [m for m in doc["modes"] if m != "classic"]
+    assert [(r["mode"], r["neighbour"]) for r in limit["rows"]] == \
+        [(telling[0], False), (telling[0], True)] + [(m, False) for m in telling[1:]]
+    for row in limit["rows"]:
+        where = f"{name} {row['mode']} " + ("beside the neighbour" if row["neighbour"] else "alone")
+        assert "error" not in row, f"{where}: {row['error']}"
+        clock = row["limit_clock"]
+        assert clock["kind"] == kind and clock["since"] == fields[f"throttled_clock_{kind}"] \
+            and clock["total"] == fields[f"throttled_clock_{kind}_time"], f"{where}: {clock} vs {limit['bookkeeping']}"
+        cpu_limit.judge(row, where, emulated=name != "host", neighbour_share=None)
 
 
 def test_a_cgroup_v1_only_node_is_refused_in_one_sentence(matrix: dict[str, dict]) -> None:
