@@ -337,5 +337,8 @@ def test_the_engines_own_histograms_beside_the_delay(scene):
     # The same beside the service's scheduler figures in /api/v1/attribution.
     [record] = scene["attributed"]
     assert record["engine"]["url"] == engine["url"] and record["engine"]["latency"]["e2e"]["count"] >= len(docs)
-    assert latency["e2e"]["mean"] == pytest.approx(statistics.mean(d["e2e"] for d in docs), rel=0.02)
-    assert latency["ttft"]["mean"] == pytest.approx(statistics.mean(d["ttft"] for d in docs), rel=0.02)
+    # vLLM takes its metrics' and its span's time stamps at different points of
+    # the same request (a fraction of a millisecond apart): 2%, or 2 ms on a
+    # first token of ~40 ms.
+    assert latency["e2e"]["mean"] == pytest.approx(statistics.mean(d["e2e"] for d in docs), rel=0.02, abs=0.002)
+    assert latency["ttft"]["mean"] == pytest.approx(statistics.mean(d["ttft"] for d in docs), rel=0.02, abs=0.002)
