@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from agent.identity.services import KERNEL
 from agent.probe.layout import CAUSES
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE
 
@@ -29,10 +30,8 @@ __all__ = ["CAUSES", "CPU_LIMIT_CAUSE", "IDLE_CAUSE", "KERNEL_CAUSE", "NEIGHBOUR
 
 NEIGHBOUR, CPU_LIMIT_CAUSE, OWN_THREADS, KERNEL_CAUSE, IDLE_CAUSE, UNKNOWN = CAUSES
 
-# The service kernel threads are counted under (agent/identity/services.py KERNEL).
-KERNEL_SERVICE = "kernel"
 # Culprit names that are a cause of their own rather than a service.
-_PSEUDO = {CPU_LIMIT: CPU_LIMIT_CAUSE, IDLE: IDLE_CAUSE, UNKNOWN_SERVICE: UNKNOWN, KERNEL_SERVICE: KERNEL_CAUSE}
+_PSEUDO = {CPU_LIMIT: CPU_LIMIT_CAUSE, IDLE: IDLE_CAUSE, UNKNOWN_SERVICE: UNKNOWN, KERNEL.name: KERNEL_CAUSE}
 
 
 def cause_of(culprit: str, own: str) -> str:

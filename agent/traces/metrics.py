@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from agent.attribution.slo import holds
 from agent.store.histogram import classic_bounds
+from agent.store.table import OTHER_CULPRITS
 
 __all__ = ["DelayBuckets", "TraceCounters", "TraceTotals"]
 
@@ -32,7 +33,6 @@ SLO_SAMPLES = 10_000
 # keep their label for good (a counter never moves to another series); later
 # ones are counted under "other".
 DELAY_CULPRITS = 3
-OTHER_CULPRITS = "other"
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ requests' critical threads waited for, per scene.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import time
@@ -55,7 +54,7 @@ from tests.support.cpu_weight import CpuWeight
 from tests.support.request_reference import SpanIndex, cpu_occupancy, request_window, who_ran
 from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
 from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import Neighbour, ThreadCensus, wait_for_requests, worker_cpus
+from tests.support.vllm_scene import Neighbour, ThreadCensus, scene_config, wait_for_requests, worker_cpus
 from tests.support.workload import TestCgroup
 
 pytestmark = pytest.mark.e2e
@@ -259,11 +258,7 @@ def causes(tmp_path_factory):
     needs_engine()
     tmp = tmp_path_factory.mktemp("vllm-causes")
     model = build_model(tmp / "model")
-    config = tmp / "slatrace.yaml"
-    config.write_text(
-        "services:\n"
-        f"  - name: {SERVICE}\n    cgroup: \"/slatrace-test-vllm-{os.getpid()}-*\"\n"
-        f"  - name: {NOISY}\n    cgroup: \"/slatrace-test-noisy-{os.getpid()}-*\"\n")
+    config = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY)
     grpc_port = free_port()
     t_start = time.monotonic()
     with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=config, interval=0.5) as agent, \

@@ -17,7 +17,6 @@ add up to more than the batch's own wall-clock wait.
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import threading
@@ -37,7 +36,8 @@ from tests.support.request_reference import (SpanIndex, clipped_waits, cpu_occup
                                              union_ns, who_ran)
 from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
 from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import Neighbour, ThreadCensus, wait_for_engine, wait_for_requests, worker_cpus
+from tests.support.vllm_scene import (Neighbour, ThreadCensus, scene_config, wait_for_engine, wait_for_requests,
+                                      worker_cpus)
 from tests.support.workload import TestCgroup
 
 pytestmark = pytest.mark.e2e
@@ -95,13 +95,8 @@ def scene(tmp_path_factory):
     needs_engine()
     tmp = tmp_path_factory.mktemp("vllm")
     model = build_model(tmp / "model")
-    config = tmp / "slatrace.yaml"
-    config.write_text(
-        "services:\n"
-        f"  - name: {SERVICE}\n    cgroup: \"/slatrace-test-vllm-{os.getpid()}-*\"\n"
-        f"  - name: {NOISY}\n    cgroup: \"/slatrace-test-noisy-{os.getpid()}-*\"\n"
-        "slos:\n"
-        f"  - service: {SERVICE}\n    request_e2e_p99: 0.5\n")
+    config = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY,
+                          f"slos:\n  - service: {SERVICE}\n    request_e2e_p99: 0.5\n")
     grpc_port = free_port()
     timings = {}
     with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=config, interval=0.5) as agent, \

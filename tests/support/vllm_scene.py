@@ -25,6 +25,16 @@ HOG_SPUN_S = 0.1          # a neighbour's hog has started once it has used this 
 HOG_START_S = 10.0
 
 
+def scene_config(path: Path, service: str, noisy: str, extra: str = "") -> Path:
+    """The agent's config for a vLLM scene: this run's cgroups of the engine
+    and its neighbour by name (other runs on a shared machine make cgroups of
+    the same names), then `extra` YAML."""
+    path.write_text("services:\n"
+                    f"  - name: {service}\n    cgroup: \"/slatrace-test-vllm-{os.getpid()}-*\"\n"
+                    f"  - name: {noisy}\n    cgroup: \"/slatrace-test-noisy-{os.getpid()}-*\"\n" + extra)
+    return path
+
+
 def thread_names(cgroup: TestCgroup) -> dict[int, tuple[int, str, str]]:
     """tid -> (pid, process name, thread name) of every thread in the cgroup now."""
     out = {}

@@ -47,13 +47,22 @@ class FakeRing:
         os.close(self.fd)
 
 
+@pytest.fixture
+def ring(tmp_path):
+    """A fake ring buffer and a reader on it."""
+    fake = FakeRing(tmp_path)
+    reader = RingReader(fake.fd, SIZE, EVENT_ROW)
+    yield fake, reader
+    reader.close()
+    fake.close()
+
+
 def event(i: int) -> tuple:
     return (100 + i, 7, 1000 * i, 1000 * i + 500, 4000 + i, i % 5)
 
 
-def test_records_come_out_in_order_across_the_wrap_and_free_their_room(tmp_path):
-    ring = FakeRing(tmp_path)
-    reader = RingReader(ring.fd, SIZE, EVENT_ROW)
+def test_records_come_out_in_order_across_the_wrap_and_free_their_room(ring):
+    ring, reader = ring
     got = []
     for round_ in range(5):   # 5 x 100 records of 48 bytes: several laps of an 8 KiB ring
         for i in range(100):
@@ -63,13 +72,10 @@ def test_records_come_out_in_order_across_the_wrap_and_free_their_room(tmp_path)
         assert ring.consumer() == ring.prod
     assert got == [event(i) for i in range(500)]
     assert len(reader.drain()) == 0
-    reader.close()
-    ring.close()
 
 
-def test_a_record_still_being_written_stops_the_drain_and_discarded_ones_are_skipped(tmp_path):
-    ring = FakeRing(tmp_path)
-    reader = RingReader(ring.fd, SIZE, EVENT_ROW)
+def test_a_record_still_being_written_stops_the_drain_and_discarded_ones_are_skipped(ring):
+    ring, reader = ring
     ring.put(event(1))
     ring.put(event(2), DISCARD_BIT)
     ring.put(event(3))
@@ -78,18 +84,13 @@ def test_a_record_still_being_written_stops_the_drain_and_discarded_ones_are_ski
     assert reader.drain().tolist() == [event(1), event(3)]
     assert reader.discarded == 1
     assert ring.consumer() == 3 * STRIDE   # up to the busy one, which stays
-    reader.close()
-    ring.close()
 
 
-def test_a_record_of_another_size_is_refused(tmp_path):
-    ring = FakeRing(tmp_path)
-    reader = RingReader(ring.fd, SIZE, EVENT_ROW)
+def test_a_record_of_another_size_is_refused(ring):
+    ring, reader = ring
     ring.put(event(1))
     os.pwrite(ring.fd, struct.pack("<I", 16), 2 * PAGE)
     with pytest.raises(ValueError, match="record of 16 bytes"):
         reader.drain()
     with pytest.raises(ValueError, match="power of two"):
         RingReader(ring.fd, 3 * PAGE, EVENT_ROW)
-    reader.close()
-    ring.close()
