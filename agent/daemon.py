@@ -333,7 +333,7 @@ class Daemon:
         self._check_tally(snap)
         record = self.store.ingest(snap, self._resolver.service_of)
         if record is not None:
-            limited = [name for name, f in record.services.items() if f.limited.count]
+            limited = record.table.services_with("limited_runq")
             self.throttle.add(record.end, self._throttle_reader.poll(self._resolver.cgroups_by_service(), limited))
             self.throttle.set_limits(self._throttle_reader.limits())
             self.breaches.observe(record.end, record.services)

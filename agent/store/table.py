@@ -195,6 +195,12 @@ class ServiceTable:
             return Histogram()
         return Histogram.from_arrays(self.h_slot[b:y].astype(_I64), self.h_count[b:y], self.h_sum[b:y])
 
+    def services_with(self, field: str) -> list[str]:
+        """The services whose per-cgroup counter `field` is not zero, read from
+        the counters column: no per-service object is built."""
+        col = CGROUP_FIELDS.index(field)
+        return [self.names[i] for i in self.active[self.counters[self.active, col] != 0].tolist()]
+
     def cgroups_of(self, name: str) -> frozenset[int]:
         i = self._positions.get(name)
         if i is None:

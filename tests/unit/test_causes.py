@@ -89,3 +89,17 @@ def test_the_vocabulary_is_closed():
     assert [cause_of(c, "vllm") for c in ("batch", "cpu_limit", "vllm", "kernel", "idle", "unknown")] == \
         ["neighbour", "cpu_limit", "own_threads", "kernel", "idle", "unknown"]
     assert by_cause([("a", 1.0), ("b", 2.0), ("vllm", 0.5)], "vllm") == {"neighbour": 3.0, "own_threads": 0.5}
+
+
+def test_the_services_a_limit_held_are_read_from_the_counters_column():
+    from agent.probe.snapshot import CgroupCounters, ProbeSnapshot
+    from agent.store.store import Store
+
+    store = Store(retention_s=60)
+    names = {1: "limited", 2: "free"}
+    store.ingest(ProbeSnapshot(0, 1000.0), names.__getitem__)
+    record = store.ingest(ProbeSnapshot.from_dicts(10**9, 1001.0, cgroups={
+        1: CgroupCounters(limited_runq=3, limited_runq_ns=9_000_000), 2: CgroupCounters(migrations=4)}),
+        names.__getitem__)
+    assert record.table.services_with("limited_runq") == ["limited"]
+    assert record.table.services_with("migrations") == ["free"]
