@@ -10,24 +10,21 @@ other), so a drift of this shared machine's load favours none:
 - calm: vLLM alone;
 - limit (a): vLLM under its own CPU limit, 0.5 CPU (the CFS bandwidth of a
   cgroup holding its processes: v1 cpu.cfs_quota_us here, cpu.max on v2);
-- neighbour (b): CPU hogs with more CPU weight than vLLM on the CPUs of its
-  model worker, as tests/inference/test_vllm_delay.py has them;
+- neighbour (b): CPU hogs with twenty times vLLM's CPU weight on the CPUs of
+  its model worker, as tests/inference/test_vllm_delay.py has them;
 - both (c): the limit and the neighbour at once.
 
 What removing one cause takes away is measured, and the delay the agent
 charges that cause must predict it (within 30% or 20 ms): the `cpu_limit`
 charge of (a) the rise of mean latency over calm, the `neighbour` charge of
-(b) its rise over calm. In (c) the two causes interact: beside the
-neighbour the limit binds differently (it held vLLM 0.19 s a request alone
-and 0.35 s beside the neighbour in one run, 0.22 and 0.25 s in another), so
-no split of the delay that adds up can predict both (c) - (b) and (c) - (a)
-in every run. What removing one cause from (c) takes away is checked as that
-cause's charge plus the change of the other causes' charges; the cause's
-own charge against it is printed in the table (and missed the 30% by up to
-40% in a run here). A charge is taken net of what the scene without the cause
-charges it (other services of this machine count as neighbours in every
-scene). In every scene the cause `unknown` stays within
-5% of the delay, and no limit is charged where none is set.
+(b) its rise over calm, and in (c) each cause's charge what removing it alone
+takes away: (c) - (b) for the limit, (c) - (a) for the neighbour. A charge is
+taken net of what the scene without the cause charges it (other services of
+this machine count as neighbours in every scene). The two causes interact
+(beside the neighbour the limit binds differently), so the change of the
+other causes' charges is printed beside each counterfactual. In every scene
+the cause `unknown` stays within 5% of the delay, and no limit is charged
+where none is set.
 
 The per-cause table (scene x cause: mean charged delay, measured rise) is
 printed (`pytest -s`) and written as JSON beside the request documents under
@@ -62,12 +59,14 @@ pytestmark = pytest.mark.e2e
 SERVICE = "vllm-test"
 NOISY = "noisy-test"
 QUOTA_US, PERIOD_US = 50_000, 100_000   # vLLM's own CPU limit: 0.5 CPU
-# The neighbour weighs five times vLLM (100), on the CPU of vLLM's model
-# worker: it then adds ~0.4 s to a request, and the limit still binds beside
-# it, so in (c) both causes hold vLLM. (At 300 it added nothing here; from
-# about 500 its harm comes in regimes that change from block to block, some
-# blocks untouched, which the standard errors carry.)
-NEIGHBOUR_WEIGHT = 500
+# The neighbour weighs twenty times vLLM (100), on the CPU of vLLM's model
+# worker: it then adds ~2.4 s to a request, block after block, and the limit
+# still binds beside it (vLLM's other processes use the quota on the other
+# CPU), so in (c) both causes hold vLLM. (At 300 it added nothing here; at
+# 500 its harm came in regimes that changed from block to block, some blocks
+# untouched, and the mix of regimes in (c) against (a) and (b) swamped the
+# counterfactuals.)
+NEIGHBOUR_WEIGHT = 2000
 MAX_TOKENS = 32
 PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
            "The quick brown fox jumps over the lazy dog.", "one two three four five"]
@@ -350,20 +349,12 @@ def test_no_limit_is_charged_where_none_is_set(causes, scene):
 @pytest.mark.parametrize("scene,cause", list(COUNTERFACTUALS))
 def test_a_causes_charge_predicts_what_removing_it_takes_away(causes, scene, cause):
     """The counterfactual: the rise of mean latency that removing `cause`
-    alone from `scene` takes away, against the delay the agent charged it
-    (in (c), with the other causes' change: module doc), within 30%, 20 ms,
-    or two standard errors of the measurement: the neighbour's harm comes in
-    regimes that change from block to block, and in (c) their mix is most of
-    the noise."""
-    without = COUNTERFACTUALS[(scene, cause)]
+    alone from `scene` takes away, against the delay the agent charged it,
+    within 30%, 20 ms, or two standard errors of the measurement (this
+    shared machine's load moves from block to block)."""
     [c] = [c for c in causes["table"]["counterfactuals"] if (c["scene"], c["cause"]) == (scene, cause)]
-    if without == CALM:
-        assert c["rise"] > 0.05, f"{cause} alone changed little ({c['rise']:.3f} s): no cause to test"
-        assert abs(c["charged"] - c["rise"]) <= c["tolerance"], c
-    else:
-        # Interacting causes (module doc): removing one changes the other's
-        # charge too; together they account for what it takes away.
-        assert abs(c["charged"] + c["other_causes_charged"] - c["rise"]) <= c["tolerance"], c
+    assert c["rise"] > 0.05, f"{cause} changed little in {scene} ({c['rise']:.3f} s): no cause to test"
+    assert abs(c["charged"] - c["rise"]) <= c["tolerance"], c
 
 
 @pytest.mark.parametrize("scene", [LIMIT, NEIGHBOURS, BOTH])
