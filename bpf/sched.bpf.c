@@ -352,9 +352,16 @@ static __always_inline bool rate_ok(u64 now)
     return true;
 }
 
-static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u64 end, u64 other, task_key_t task)
+static __always_inline bool watched_cgroup(struct ctl c, u64 cgid)
 {
-    if (!c.watch_on || !watched.lookup(&cgid) || !rate_ok(end))
+    return c.watch_on && watched.lookup(&cgid);
+}
+
+/* Sends one record: `waits` waits of `wait` ns in all between start and end. */
+static __always_inline void send(u64 cgid, u32 kind, u64 start, u64 end, u64 other, task_key_t task, u64 wait,
+                                 u32 waits)
+{
+    if (!rate_ok(end))
         return;
     struct sched_event *e = events.ringbuf_reserve(sizeof(struct sched_event));
     if (!e) {
@@ -365,9 +372,67 @@ static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u6
     e->other_cgid = other;
     e->start_ns = start;
     e->end_ns = end;
+    e->wait_ns = wait;
     e->tid = key_tid(task);
     e->kind = kind;
+    e->waits = waits;
     events.ringbuf_submit(e, 0);
+}
+
+static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u64 end, u64 other, task_key_t task)
+{
+    if (watched_cgroup(c, cgid))
+        send(cgid, kind, start, end, other, task, end - start, 1);
+}
+
+/* A spinning loop (a reader polling a queue and yielding the CPU between
+ * polls) makes hundreds of thousands of short waits a second, each a
+ * preemption with a few µs of running before the next. One record each
+ * would flood the stream past its rate limit; instead a thread's preempted
+ * waits shorter than MERGE_WAIT_NS, one after the other behind the same
+ * culprit, with no sleep between them and within MERGE_SPAN_NS of the
+ * first, go out as one record of their count and sum. A wait after a sleep
+ * is never merged (the sleep sends what is pending), nor is a long one, so
+ * a neighbour's slices and every wake-up keep their exact edges. The
+ * counting maps still take every wait. */
+#define MERGE_WAIT_NS 100000ULL
+#define MERGE_SPAN_NS 1000000ULL
+
+static __always_inline void flush_pending(struct task_info *t, task_key_t task)
+{
+    if (!t->pend_n)
+        return;
+    send(t->cgid, EV_PREEMPTED, t->pend_start, t->pend_end, t->pend_other, task, t->pend_wait, t->pend_n);
+    t->pend_n = 0;
+}
+
+/* A run-queue wait (or its part) of a task in a watched cgroup, `t` its
+ * state; `whole`: not a part of a wait the CPU limit held in part (those
+ * keep their own records, which touch). */
+static __always_inline void stream_wait(struct task_info *t, u64 cgid, u32 kind, u64 start, u64 end, u64 other,
+                                        task_key_t task, bool whole)
+{
+    u64 wait = end - start;
+    bool short_preempted = whole && kind == EV_PREEMPTED && wait < MERGE_WAIT_NS;
+    if (t->pend_n) {
+        if (short_preempted && other == t->pend_other && start >= t->pend_end &&
+            end - t->pend_start <= MERGE_SPAN_NS && t->pend_n < 0xffff) {
+            t->pend_end = end;
+            t->pend_wait += wait;
+            t->pend_n++;
+            return;
+        }
+        flush_pending(t, task);
+    }
+    if (short_preempted) {
+        t->pend_start = start;
+        t->pend_end = end;
+        t->pend_other = other;
+        t->pend_wait = wait;
+        t->pend_n = 1;
+        return;
+    }
+    send(cgid, kind, start, end, other, task, wait, 1);
 }
 
 /* When the scheduler enqueued a task whose wake-up the programs never saw,
@@ -547,6 +612,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                 u32 kind = preempted ? EV_PREEMPTED : EV_RUNQ;
                 u64 start = since;
                 u64 limit = limit_part(next, n, wait);
+                bool watched = watched_cgroup(c, next_cgid);
                 if (limit) {
                     /* The limit's part is its own cause. A wait that began
                      * throttled has it first, and the rest came after the
@@ -560,14 +626,16 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                         preempted = false;
                         kind = EV_RUNQ;
                         culprit = cgid;
-                        emit(c, next_cgid, EV_LIMIT, since, since + limit, next_cgid, next);
+                        if (watched)
+                            stream_wait(n, next_cgid, EV_LIMIT, since, since + limit, next_cgid, next, false);
                         start = since + limit;
-                    } else {
-                        emit(c, next_cgid, EV_LIMIT, now - limit, now, next_cgid, next);
+                    } else if (watched) {
+                        stream_wait(n, next_cgid, EV_LIMIT, now - limit, now, next_cgid, next, false);
                     }
                 }
                 blame_add(next_cgid, culprit, preempted ? BLAME_PREEMPTED : BLAME_HOLDER, c.gen, wait - limit);
-                emit(c, next_cgid, kind, start, start + wait - limit, culprit, next);
+                if (watched)
+                    stream_wait(n, next_cgid, kind, start, start + wait - limit, culprit, next, !limit);
             } else if (st == TS_RUNNING) {
                 cgroup_add(next_cgid, c.gen, CG_INDEX(untraced_switch_out), 0);
             }
@@ -583,6 +651,9 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
             cgroup_add(cgid, c.gen, CG_INDEX(untraced_switch_in), 0);
+        /* Merged waits end at a sleep, or where the task changes cgroup. */
+        if (p->pend_n && (out_state != TS_PREEMPTED || p->cgid != cgid))
+            flush_pending(p, prev);
         p->ts = now;
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
@@ -635,6 +706,15 @@ static __always_inline int on_migrate(task_key_t task)
         emit(c, t->cgid, EV_MIGRATE, now, now, 0, task);
     }
     return 0;
+}
+
+/* An exiting task sends its merged waits before its state goes. */
+static __always_inline void on_task_exit(task_key_t task)
+{
+    struct task_info *t = task_get(task);
+    if (t && t->pend_n)
+        flush_pending(t, task);
+    task_drop(task);
 }
 
 /* The child starts in its parent's cgroup; the parent is current here.
@@ -736,7 +816,7 @@ SCHED_PROBE(sched_process_fork)
 
 SCHED_PROBE(sched_process_exit)
 {
-    task_drop(ctx->args[0]);
+    on_task_exit(ctx->args[0]);
     return 0;
 }
 
@@ -785,7 +865,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
 
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
-    task_drop(args->pid);
+    on_task_exit(args->pid);
     return 0;
 }
 #endif

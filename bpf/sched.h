@@ -105,6 +105,14 @@ struct task_info {
      * long the limit had held that run queue, ever. */
     __u64 thr_cfs_rq;
     __u64 thr_ns;
+    /* The streamed record of the task's back-to-back short preempted waits
+     * not yet sent (pend_n of them, pend_wait ns in all, from pend_start to
+     * pend_end, all behind pend_other): stream_wait() in sched.bpf.c. */
+    __u64 pend_start;
+    __u64 pend_end;
+    __u64 pend_other;
+    __u32 pend_wait;
+    __u32 pend_n;
 };
 
 /* Control words written by user space (array "ctl", one element). */
@@ -212,14 +220,19 @@ struct cgroup_val {
 
 /* One wait of a task in a watched cgroup (a service that sends request
  * spans), streamed through a ring buffer so a request's window can be cut
- * exactly rather than from per-interval totals. */
+ * exactly rather than from per-interval totals. A record may hold several
+ * back-to-back short preempted waits of one thread behind the same culprit
+ * (a spinning loop's): then `waits` of them, `wait_ns` in all, between
+ * start_ns and end_ns; for one wait, wait_ns == end_ns - start_ns. */
 struct sched_event {
     __u64 cgid;
     __u64 other_cgid;
     __u64 start_ns;
     __u64 end_ns;
+    __u64 wait_ns;
     __u32 tid;
-    __u32 kind;
+    __u16 kind;
+    __u16 waits;
 };
 
 /* Per-CPU rate limit of the event stream (bpf/sched.bpf.c rate_ok()). */

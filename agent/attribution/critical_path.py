@@ -18,6 +18,13 @@ waiting at that instant, if anyone did: with a heavier neighbour the
 service's threads take turns on the little CPU it leaves them, and the last
 holder of a wait is then often a sibling, while the CPU was the neighbour's.
 
+A record of a spinning thread's merged short waits (agent/store/events.py)
+waited only part of the time it covers: it counts as waiting that part of
+every instant (its density), and instants where several such records overlap
+count as held up in the part where any of them waited, taken as
+independent (1 - the product of their parts not waiting). A whole wait
+counts fully, so where no record is merged the union is exact.
+
 Pure: waits in, figures out.
 """
 
@@ -28,7 +35,11 @@ from dataclasses import dataclass
 
 from agent.store.store import IDLE
 
-__all__ = ["Delay", "critical_delay"]
+__all__ = ["Delay", "Wait", "clip", "critical_delay"]
+
+# (start_ns, end_ns, culprit) for a whole wait; with the time waited inside
+# [start, end] as a fourth element for a record of merged waits.
+Wait = tuple[int, int, str] | tuple[int, int, str, int]
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,23 @@ class Delay:
     by: tuple[tuple[str, float], ...]   # (culprit, seconds), largest first, adding up to `seconds`
 
 
-def critical_delay(waits: Mapping[int, Sequence[tuple[int, int, str]]], threads: Iterable[int],
+def clip(waits: Sequence[Wait], lo: int, hi: int) -> list[Wait]:
+    """The waits inside [lo, hi], a merged record keeping the share of its
+    waiting in proportion to the time left."""
+    out: list[Wait] = []
+    for w in waits:
+        start, end = w[0], w[1]
+        s, e = max(start, lo), min(end, hi)
+        if s >= e:
+            continue
+        if len(w) == 4 and (s, e) != (start, end):
+            out.append((s, e, w[2], w[3] * (e - s) // (end - start)))
+        else:
+            out.append((s, e, *w[2:]))
+    return out
+
+
+def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
                    own: str | None = None) -> Delay:
     """The union over time of the waits (start_ns, end_ns, culprit) of
     `threads`, and its split by culprit.
@@ -52,48 +79,69 @@ def critical_delay(waits: Mapping[int, Sequence[tuple[int, int, str]]], threads:
     neighbours keeping the service's threads waiting then, evenly.
     """
     critical = set(threads)
-    edges: list[tuple[int, int, str, bool]] = []   # (time, +1 start / -1 end, culprit, critical)
+    # (time, +1 start / -1 end, culprit, critical, density: the part of the
+    # time covered that was waited)
+    edges: list[tuple[int, int, str, bool, float]] = []
     for tid, ws in waits.items():
         on_path = tid in critical
         if not on_path and own is None:
             continue
-        for start, end, culprit in ws:
+        for w in ws:
+            start, end, culprit = w[0], w[1], w[2]
             if end > start:
-                edges.append((start, 1, culprit, on_path))
-                edges.append((end, -1, culprit, on_path))
+                density = min(1.0, w[3] / (end - start)) if len(w) == 4 else 1.0
+                edges.append((start, 1, culprit, on_path, density))
+                edges.append((end, -1, culprit, on_path, density))
     # Ends before starts at the same instant: touching waits do not overlap.
     edges.sort(key=lambda e: (e[0], e[1]))
-    active: dict[str, int] = {}   # culprit -> critical waits in progress
-    behind: dict[str, int] = {}   # culprit -> waits in progress of any thread, neither own nor idle
-    n_active = n_behind = 0
+    active: dict[str, float] = {}   # culprit -> critical waiting in progress (sum of densities)
+    behind: dict[str, float] = {}   # culprit -> waiting in progress of any thread, neither own nor idle
+    whole = 0                       # critical whole waits in progress
+    parts: dict[float, int] = {}    # density -> critical merged records in progress
+    n_active = n_behind = 0.0
     by: dict[str, float] = {}
-    union = 0
+    union = 0.0
     last = 0
-    for t, step, culprit, on_path in edges:
-        if n_active and t > last:
-            span = t - last
+    for t, step, culprit, on_path, density in edges:
+        if active and t > last:
+            span = (t - last) * _held(whole, parts)
             union += span
             for name, k in active.items():
                 share = span * k / n_active
-                if name == own and n_behind:
+                if name == own and behind:
                     for other, j in behind.items():
                         by[other] = by.get(other, 0.0) + share * j / n_behind
                 else:
                     by[name] = by.get(name, 0.0) + share
         last = t
         if on_path:
-            n_active += step
-            _count(active, culprit, step)
+            n_active += step * density
+            _count(active, culprit, step * density)
+            if density == 1.0:
+                whole += step
+            else:
+                _count(parts, density, step)
         if own is not None and culprit not in (own, IDLE):
-            n_behind += step
-            _count(behind, culprit, step)
+            n_behind += step * density
+            _count(behind, culprit, step * density)
     ranked = sorted(((name, ns / 1e9) for name, ns in by.items() if ns > 0), key=lambda kv: kv[1], reverse=True)
     return Delay(union / 1e9, tuple(ranked))
 
 
-def _count(counts: dict[str, int], key: str, step: int) -> None:
+def _held(whole: int, parts: Mapping[float, int]) -> float:
+    """The part of an instant held up: all of it while a whole wait is in
+    progress, else where any merged record waited (taken as independent)."""
+    if whole:
+        return 1.0
+    free = 1.0
+    for density, k in parts.items():
+        free *= (1.0 - density) ** k
+    return 1.0 - free
+
+
+def _count(counts: dict, key, step) -> None:
     k = counts.get(key, 0) + step
-    if k:
+    if abs(k) > 1e-9:
         counts[key] = k
     else:
         del counts[key]

@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from agent.attribution.causes import by_cause, cause_of, culprit_service
-from agent.attribution.critical_path import critical_delay
+from agent.attribution.critical_path import Wait, clip, critical_delay
 from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, SchedEvent
 from agent.store.events import EventLog
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE, Store
@@ -357,7 +357,7 @@ class EventSched:
         delay = critical_delay(self._blamed(waits), critical, own=service)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
-                            by_thread=self._by_thread({tid: sum(e - s for s, e, _, _ in w)
+                            by_thread=self._by_thread({tid: sum(waited for _, _, _, _, waited in w)
                                                        for tid, w in waits.items()}),
                             delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical),
                             service=service, limit_seconds=f.limit_ns / 1e9,
@@ -379,14 +379,14 @@ class EventSched:
         out = []
         for phase, a, b in phases:
             lo, hi = int(a * 1e9) - offset, int(b * 1e9) - offset
-            clipped = {tid: [(max(s, lo), min(e, hi), c) for s, e, c in w if e > lo and s < hi]
-                       for tid, w in waits.items()}
+            clipped = {tid: clip(w, lo, hi) for tid, w in waits.items()}
             d = critical_delay(clipped, critical, own=service)
             out.append(PhaseDelay(phase, a, b, d.seconds, d.by, service))
         return tuple(out)
 
-    def _blamed(self, waits: dict[int, list[tuple[int, int, int, int]]]) -> dict[int, list[tuple[int, int, str]]]:
-        return {tid: [(s, e, self._culprit(kind, other)) for s, e, kind, other in w] for tid, w in waits.items()}
+    def _blamed(self, waits: dict[int, list[tuple[int, int, int, int, int]]]) -> dict[int, list[Wait]]:
+        return {tid: [(s, e, self._culprit(kind, other), waited) for s, e, kind, other, waited in w]
+                for tid, w in waits.items()}
 
     def _culprit(self, kind: int, other: int) -> str:
         """Who kept the CPU from a wait: the service's own CPU limit for the

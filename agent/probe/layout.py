@@ -85,6 +85,11 @@ class TaskInfo(ct.Structure):
         ("flags", ct.c_uint32),
         ("thr_cfs_rq", ct.c_uint64),
         ("thr_ns", ct.c_uint64),
+        ("pend_start", ct.c_uint64),
+        ("pend_end", ct.c_uint64),
+        ("pend_other", ct.c_uint64),
+        ("pend_wait", ct.c_uint32),
+        ("pend_n", ct.c_uint32),
     ]
 
 
@@ -131,8 +136,10 @@ class SchedEvent(ct.Structure):
         ("other_cgid", ct.c_uint64),
         ("start_ns", ct.c_uint64),
         ("end_ns", ct.c_uint64),
+        ("wait_ns", ct.c_uint64),
         ("tid", ct.c_uint32),
-        ("kind", ct.c_uint32),
+        ("kind", ct.c_uint16),
+        ("waits", ct.c_uint16),
     ]
 
 

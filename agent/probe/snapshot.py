@@ -73,7 +73,9 @@ class ProgramStats:
 
 @dataclass(frozen=True)
 class SchedEvent:
-    """One wait of a task in a watched cgroup, on CLOCK_MONOTONIC."""
+    """One wait of a task in a watched cgroup, on CLOCK_MONOTONIC; or several
+    back-to-back short preempted waits of one thread behind the same culprit
+    (`waits` of them, `wait_ns` in all between start_ns and end_ns)."""
 
     cgid: int
     kind: int
@@ -81,6 +83,12 @@ class SchedEvent:
     end_ns: int
     other_cgid: int   # who kept the CPU: the preemptor (EV_PREEMPTED), the holder (EV_RUNQ), self (EV_LIMIT)
     tid: int
+    wait_ns: int | None = None   # None: end_ns - start_ns, one wait
+    waits: int = 1
+
+    @property
+    def waited_ns(self) -> int:
+        return self.end_ns - self.start_ns if self.wait_ns is None else self.wait_ns
 
 
 # The ring buffer's record of one wait, taken from layout's mirror of struct
@@ -90,12 +98,14 @@ EVENT_ROW = np.dtype(layout.SchedEvent)
 
 def event_rows(events: Iterable[SchedEvent]) -> np.ndarray:
     """Events as EVENT_ROW rows, as the probe drains them."""
-    return np.array([(e.cgid, e.other_cgid, e.start_ns, e.end_ns, e.tid, e.kind) for e in events], dtype=EVENT_ROW)
+    return np.array([(e.cgid, e.other_cgid, e.start_ns, e.end_ns, e.waited_ns, e.tid, e.kind, e.waits)
+                     for e in events], dtype=EVENT_ROW)
 
 
 def events_of(rows: np.ndarray) -> list[SchedEvent]:
     """EVENT_ROW rows as events, one object each."""
-    return [SchedEvent(cgid, kind, start, end, other, tid) for cgid, other, start, end, tid, kind in rows.tolist()]
+    return [SchedEvent(cgid, kind, start, end, other, tid, None if waits == 1 and wait == end - start else wait, waits)
+            for cgid, other, start, end, wait, tid, kind, waits in rows.tolist()]
 
 
 # Column layouts of a drained snapshot: one row per map entry.

@@ -3,15 +3,19 @@
 Interval totals cannot say how much of a 1 s interval's wait fell inside a
 300 ms request. The kernel streams each wait of a watched cgroup (start, end,
 other cgroup); summing their overlap with [start, end] gives the request's
-figures to the nanosecond.
+figures to the nanosecond. A spinning thread's back-to-back short preempted
+waits come as one record of their sum (bpf/sched.bpf.c stream_wait(): at
+most 1 ms long, each wait under 100 µs); a window cuts such a record in
+proportion to the time it covers, so only a window's edges can be off, by
+less than the waits of one such record.
 
 Layout, for speed of the window cut: per cgroup, one column per (kind, other
 cgroup), sorted by end time, with running totals of durations. A window is
 then two binary searches per column plus a short scan of the events that
 straddle its edges (bounded by the column's longest event), whatever the
 number of waits inside it. Run-queue waits are also kept per thread (one
-column per thread id), so a request's wait splits by thread. About 24 bytes
-per event, 48 for a run-queue wait; `max_events` bounds each of the two sets,
+column per thread id), so a request's wait splits by thread. About 32 bytes
+per event, 65 for a run-queue wait; `max_events` bounds each of the two sets,
 dropping the oldest.
 """
 
@@ -30,8 +34,9 @@ from agent.probe.snapshot import EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, 
 @dataclass
 class _Column:
     """Events of one (cgroup, kind, other) in end order. cum[i] is the total
-    duration of every event before index i ever appended (it survives pruning,
-    so differences stay valid after the front is dropped)."""
+    wait of every event before index i ever appended (it survives pruning,
+    so differences stay valid after the front is dropped); an event's own
+    wait is cum[i + 1] - cum[i], its end - start unless it merges several."""
 
     start: array = field(default_factory=lambda: array("Q"))
     end: array = field(default_factory=lambda: array("Q"))
@@ -41,10 +46,14 @@ class _Column:
     # preempted it, or held the CPU it woke up to), for the critical path.
     kind: array | None = None
     other: array | None = None
+    # Any other column keeps the running count of waits alike (a record may
+    # hold several), for the window's counts of waits and preemptions.
+    cumn: array | None = None
 
-    def add(self, start: int, end: int, kind: int = 0, other: int = 0) -> None:
-        duration = end - start
-        self.max_len_ns = max(self.max_len_ns, duration)
+    def add(self, start: int, end: int, kind: int = 0, other: int = 0, wait: int | None = None,
+            waits: int = 1) -> None:
+        duration = end - start if wait is None else wait
+        self.max_len_ns = max(self.max_len_ns, end - start)
         if self.end and end < self.end[-1]:
             # CPUs submit to the ring buffer a few microseconds out of order:
             # insert in place and rebuild the running totals from there.
@@ -54,9 +63,17 @@ class _Column:
             if self.kind is not None:
                 self.kind.insert(i, kind)
                 self.other.insert(i, other)
+            durations = [self.cum[j + 1] - self.cum[j] for j in range(i, len(self.cum) - 1)]
+            durations.insert(0, duration)
             self.cum.insert(i + 1, 0)
-            for j in range(i + 1, len(self.cum)):
-                self.cum[j] = self.cum[j - 1] + (self.end[j - 1] - self.start[j - 1])
+            for j, w in enumerate(durations, start=i + 1):
+                self.cum[j] = self.cum[j - 1] + w
+            if self.cumn is not None:
+                counts = [self.cumn[j + 1] - self.cumn[j] for j in range(i, len(self.cumn) - 1)]
+                counts.insert(0, waits)
+                self.cumn.insert(i + 1, 0)
+                for j, w in enumerate(counts, start=i + 1):
+                    self.cumn[j] = self.cumn[j - 1] + w
             return
         self.end.append(end)
         self.start.append(start)
@@ -64,30 +81,42 @@ class _Column:
             self.kind.append(kind)
             self.other.append(other)
         self.cum.append(self.cum[-1] + duration)
+        if self.cumn is not None:
+            self.cumn.append(self.cumn[-1] + waits)
 
-    def extend(self, start: np.ndarray, end: np.ndarray, kind: np.ndarray | None = None,
-               other: np.ndarray | None = None) -> None:
+    def extend(self, start: np.ndarray, end: np.ndarray, wait: np.ndarray, waits: np.ndarray,
+               kind: np.ndarray | None = None, other: np.ndarray | None = None) -> None:
         """Events given in end order, as columns. Those ending before this
         column's last event go in one by one (a drain may hold a wait a CPU
         submitted late); the rest are appended in one piece."""
         late = int(np.searchsorted(end, self.end[-1], side="left")) if self.end else 0
         for i in range(late):
             self.add(int(start[i]), int(end[i]), int(kind[i]) if kind is not None else 0,
-                     int(other[i]) if other is not None else 0)
+                     int(other[i]) if other is not None else 0, int(wait[i]), int(waits[i]))
         if late == len(end):
             return
         start, end = start[late:].astype(np.uint64), end[late:].astype(np.uint64)
-        duration = end.astype(np.int64) - start.astype(np.int64)
-        self.max_len_ns = max(self.max_len_ns, int(duration.max()))
+        duration = wait[late:].astype(np.int64)
+        self.max_len_ns = max(self.max_len_ns, int((end.astype(np.int64) - start.astype(np.int64)).max()))
         self.start.frombytes(start.tobytes())
         self.end.frombytes(end.tobytes())
         self.cum.frombytes((np.cumsum(duration) + self.cum[-1]).astype(np.uint64).tobytes())
+        if self.cumn is not None:
+            self.cumn.frombytes((np.cumsum(waits[late:].astype(np.int64)) + self.cumn[-1]).astype(np.uint64).tobytes())
         if self.kind is not None:
             self.kind.frombytes(kind[late:].astype(np.uint8).tobytes())
             self.other.frombytes(other[late:].astype(np.uint64).tobytes())
 
-    def clipped(self, lo: int, hi: int) -> list[tuple[int, int, int, int]]:
-        """(start, end, kind, other) of the events overlapping [lo, hi], clipped to it."""
+    def _part(self, k: int, s: int, e: int) -> int:
+        """Event k's wait inside [s, e] (within its own span): all of it for a
+        single wait, in proportion to the time covered for merged ones."""
+        span = self.end[k] - self.start[k]
+        wait = self.cum[k + 1] - self.cum[k]
+        return e - s if wait == span else wait * (e - s) // span
+
+    def clipped(self, lo: int, hi: int) -> list[tuple[int, int, int, int, int]]:
+        """(start, end, kind, other, wait) of the events overlapping [lo, hi],
+        clipped to it; wait is the time waited inside the clipped span."""
         out = []
         n = len(self.end)
         k = bisect_left(self.end, lo)
@@ -96,7 +125,7 @@ class _Column:
             s, e = max(self.start[k], lo), min(self.end[k], hi)
             if s < e:
                 out.append((s, e, self.kind[k] if self.kind is not None else 0,
-                            self.other[k] if self.other is not None else 0))
+                            self.other[k] if self.other is not None else 0, self._part(k, s, e)))
             k += 1
         return out
 
@@ -104,6 +133,8 @@ class _Column:
         del self.start[:n]
         del self.end[:n]
         del self.cum[:n]
+        if self.cumn is not None:
+            del self.cumn[:n]
         if self.kind is not None:
             del self.kind[:n]
             del self.other[:n]
@@ -111,18 +142,28 @@ class _Column:
     def __len__(self) -> int:
         return len(self.end)
 
+    def _waits(self, k: int) -> int:
+        return 1 if self.cumn is None else self.cumn[k + 1] - self.cumn[k]
+
+    def _count_part(self, k: int, s: int, e: int) -> int:
+        """Event k's waits inside [s, e], at least one: in proportion to the
+        time covered for a record of several."""
+        n = self._waits(k)
+        return n if n == 1 else max(1, n * (e - s) // (self.end[k] - self.start[k]))
+
     def overlap(self, lo: int, hi: int) -> tuple[int, int]:
-        """(total overlap with [lo, hi] in ns, events overlapping it)."""
+        """(total wait inside [lo, hi] in ns, waits overlapping it)."""
         i = bisect_left(self.end, lo)        # first event ending at or after lo
         j = bisect_right(self.end, hi)       # first event ending after hi
         total = self.cum[j] - self.cum[i]
-        count = j - i
+        count = j - i if self.cumn is None else self.cumn[j] - self.cumn[i]
         # Events ending inside the window but starting before it: clip.
         k = i
         reach = lo + self.max_len_ns
         while k < j and self.end[k] <= reach:
             if self.start[k] < lo:
-                total -= lo - self.start[k]
+                total -= self._part(k, self.start[k], lo)
+                count -= self._waits(k) - self._count_part(k, lo, self.end[k])
             k += 1
         # Events ending after the window but starting inside or before it.
         n = len(self.end)
@@ -131,8 +172,8 @@ class _Column:
         while k < n and self.end[k] <= reach:
             s = self.start[k]
             if s <= hi:
-                total += hi - max(s, lo)
-                count += 1
+                total += self._part(k, max(s, lo), hi)
+                count += self._count_part(k, max(s, lo), hi)
             k += 1
         return total, count
 
@@ -175,10 +216,12 @@ class EventLog:
         runq = rows[np.isin(rows["kind"], (EV_RUNQ, EV_PREEMPTED, EV_LIMIT)) & (rows["tid"] != 0)]
         with self._lock:
             for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
-                self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"])
+                self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"], part["wait_ns"],
+                                                         part["waits"])
             for (cgid, tid), part in _groups(runq, ("cgid", "tid")):
                 self._column(cgid, (THREAD_KEY, tid), by_thread=True).extend(
-                    part["start_ns"], part["end_ns"], part["kind"], part["other_cgid"])
+                    part["start_ns"], part["end_ns"], part["wait_ns"], part["waits"], part["kind"],
+                    part["other_cgid"])
             self._count += len(rows)
             self._thread_count += len(runq)
             self._prune(int(rows["end_ns"][-1]) - self._retention_ns)
@@ -189,7 +232,8 @@ class EventLog:
             columns = self._cgroups[cgid] = {}
         col = columns.get(key)
         if col is None:
-            col = columns[key] = _Column(kind=array("B"), other=array("Q")) if by_thread else _Column()
+            col = columns[key] = (_Column(kind=array("B"), other=array("Q")) if by_thread
+                                  else _Column(cumn=array("Q", [0])))
         return col
 
     def _prune(self, horizon_ns: int) -> None:
@@ -251,10 +295,12 @@ class EventLog:
                         limit += total
         return WindowFigures(runq, runq_count, preemptions, by, behind, iowait, migrations, limit)
 
-    def thread_waits(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, list[tuple[int, int, int, int]]]:
-        """tid -> the run-queue waits (start, end, kind, other cgroup) of the
-        cgroups' threads overlapping [start_ns, end_ns], clipped to it."""
-        out: dict[int, list[tuple[int, int, int, int]]] = {}
+    def thread_waits(self, cgids: set[int], start_ns: int,
+                     end_ns: int) -> dict[int, list[tuple[int, int, int, int, int]]]:
+        """tid -> the run-queue waits (start, end, kind, other cgroup, time
+        waited) of the cgroups' threads overlapping [start_ns, end_ns],
+        clipped to it."""
+        out: dict[int, list[tuple[int, int, int, int, int]]] = {}
         with self._lock:
             for cgid in cgids:
                 for (kind, tid), col in self._cgroups.get(cgid, {}).items():

@@ -1,11 +1,12 @@
 """Requests that ran while the kernel's event stream dropped events say so.
 
 A service that sends request spans is streamed wait by wait; the stream has a
-rate limit per CPU (`event_rate`). Two threads of the service that spin on
-sched_yield() on one CPU, as vLLM's shared-memory readers do, make a wait per
-yield, far beyond a low limit. The requests served meanwhile must come back
+rate limit per CPU (`event_rate`). Two threads of the service that sleep a
+few µs at a time on one CPU make a wait per wake-up, tens of thousands a
+second, far beyond a low limit (the stream merges a spinning loop's
+preempted waits, never wake-ups: bpf/sched.bpf.c stream_wait()). The requests served meanwhile must come back
 marked (sched_complete false, the number of dropped events, "at least" in the
-verdict), those served before the spinning must not, the kernel's own count
+verdict), those served before the flood must not, the kernel's own count
 of dropped events must show in /metrics, and the agent must warn once, not
 once a drain."""
 
@@ -31,10 +32,10 @@ pytestmark = pytest.mark.e2e
 SERVER = Path(__file__).resolve().parents[1] / "support" / "inference_server.py"
 SERVICE = "drops-test"
 EVENT_RATE = 1000   # events per CPU per second: the config file's lowest
-SPIN = ("import os, time\n"
-        "end = time.monotonic() + {seconds}\n"
-        "while time.monotonic() < end:\n"
-        "    os.sched_yield()\n")
+FLOOD = ("import time\n"
+         "end = time.monotonic() + {seconds}\n"
+         "while time.monotonic() < end:\n"
+         "    time.sleep(1e-5)\n")
 
 
 def serve(cgroup: TestCgroup, port: int, prefix: str, requests: int) -> list[str]:
@@ -59,14 +60,14 @@ def flood(tmp_path_factory):
         calm = serve(svc, port, f"calm-{os.getpid()}", 2)
         wait_for_requests(agent, set(calm))
         time.sleep(1.0)  # a drain or more after the calm requests: no drop can overlap them
-        spinners = [svc.spawn(["taskset", "-c", "0", sys.executable, "-c", SPIN.format(seconds=60)])
+        flooders = [svc.spawn(["taskset", "-c", "0", sys.executable, "-c", FLOOD.format(seconds=60)])
                     for _ in range(2)]
         try:
             time.sleep(1.0)
             flooded = serve(svc, port, f"flood-{os.getpid()}", 3)
             got = wait_for_requests(agent, set(calm) | set(flooded))
         finally:
-            for p in spinners:
+            for p in flooders:
                 p.kill()
                 p.wait()
         _, metrics = http_get(agent.url + "/metrics")

@@ -20,6 +20,7 @@ import subprocess
 import time
 
 from agent.probe.snapshot import EV_IOWAIT, EV_PREEMPTED, EV_RUNQ
+from tests.support.merged import Merged, set_apart
 from tests.support.tracefs import SchedMigrate, TraceRecorder, reference
 from tests.support.workload import (TestCgroup, block_backed_dir, held_for_go, hog_argv, iowait_argv, process_state,
                                     victim_argv, wait_blocked_in, wait_zombie)
@@ -100,7 +101,8 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
     ref = reference(rec.events, tids[0])
     counters = snap.cgroups.get(victim_cg.id)
     runq = [e for e in events if e.cgid == victim_cg.id and e.kind in (EV_RUNQ, EV_PREEMPTED)]
-    pairs, missing = pair_in_order(ref.spans, runq)
+    spans, runq, merged = set_apart(ref.spans, runq)
+    pairs, missing = pair_in_order(spans, runq)
     used = {id(e) for _, e in pairs}
     extra = [e for e in runq if id(e) not in used]
     errors = sorted(abs(e.start_ns - span.start_ns) for span, e in pairs)
@@ -124,7 +126,8 @@ def measure(seconds: float = 3.0, skip: int = SKIP) -> dict:
         "wakeups": len(ref.wakeup_waits), "reference_gaps": ref.gaps,
         "untraced_wakeup": counters.untraced_wakeup if counters else 0,
         "recovered_wakeup": counters.recovered_wakeup if counters else 0,
-        "reference_waits": len(ref.spans), "agent_waits": len(runq), "unmatched": len(missing),
+        "reference_waits": len(spans), "agent_waits": len(runq), "unmatched": len(missing),
+        "merged": merged.as_dict(),
         "matched_reference_ns": sum(span.end_ns - span.start_ns for span, _ in pairs),
         "matched_agent_ns": sum(e.end_ns - e.start_ns for _, e in pairs),
         "ontime_reference_ns": sum(span.end_ns - span.start_ns for span, _ in ontime),
@@ -249,6 +252,8 @@ def summary(doc: dict) -> str:
             f"{doc['late_moved']} of them moved; {doc['late_early']} earlier; {doc['late_unexplained']} neither); "
             f"on time {doc['ontime_reference_ns'] / 1e6:.1f} vs "
             f"{doc['ontime_agent_ns'] / 1e6:.1f} ms; "
+            + (f"merged records {m['records']} of {m['waits']} waits, {m['wait_ns'] / 1e6:.1f} ms, hold reference "
+               f"{m['reference_waits']} waits, {m['reference_ns'] / 1e6:.1f} ms; " if (m := doc.get("merged")) else "")
             + (f"I/O waits reference {io['reference']} agent {io['agent']}, {io['late']} ending late "
                f"({io['recovered']} recovered), {io['past_switch_in']} after the switch-in; on time "
                f"{io['ontime_reference_ns'] / 1e6:.1f} vs {io['ontime_agent_ns'] / 1e6:.1f} ms"
@@ -273,6 +278,10 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     slack = 0.01 * doc["reference_waits"] + doc["reference_gaps"] + 2
     assert doc["unmatched"] <= slack, f"{where}: {doc}"
     assert abs(doc["agent_waits"] - doc["reference_waits"]) <= slack, f"{where}: {doc}"
+    # The merged records hold the reference's waits inside them, in number and sum.
+    m = doc.get("merged") or Merged().as_dict()
+    assert abs(m["waits"] - m["reference_waits"]) <= 0.01 * m["waits"] + 2, f"{where}: {doc}"
+    assert abs(m["wait_ns"] - m["reference_ns"]) <= 0.02 * m["reference_ns"] + 20_000 * m["records"], f"{where}: {doc}"
     # A guest's clock stalls for ms between the program's and tracefs's
     # stamps of one event (MATCH_NS), which lengthens some waits and shortens
     # others.

@@ -318,3 +318,11 @@ def wait_zombie(pid: int, timeout: float) -> None:
         time.sleep(0.02)
     if state != "Z":
         raise RuntimeError(f"pid {pid} was reaped before its schedstat could be read")
+
+
+def spinner_argv(seconds: float, cpu: int) -> list[str]:
+    """A thread polling with sched_yield() between polls, pinned: with
+    another one on its CPU, hundreds of thousands of short preempted waits a
+    second (the shared-memory readers of a data-parallel engine)."""
+    return [PYTHON, "-c", f"import os, time\nos.sched_setaffinity(0, {{{int(cpu)}}})\n"
+            f"end = time.monotonic() + {float(seconds)!r}\nwhile time.monotonic() < end:\n    os.sched_yield()\n"]

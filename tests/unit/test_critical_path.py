@@ -274,3 +274,25 @@ def test_a_request_that_ran_while_the_stream_dropped_events_is_marked(caplog):
     assert "at least: the event stream dropped 120 events meanwhile" in doc["verdict"]
     warnings = [r for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warnings) == 1 and "event_rate" in warnings[0].getMessage()
+
+
+def test_a_record_of_merged_waits_counts_what_it_waited():
+    # A spinning thread's merged record: 40 µs waited in [0, 100 µs].
+    us = 1_000
+    alone = critical_delay({1: [(0, 100 * us, "vllm", 40 * us)]}, [1])
+    assert alone.seconds == pytest.approx(40e-6) and alone.by == (("vllm", pytest.approx(40e-6)),)
+    # Beside a whole wait of another critical thread: held up all through it.
+    beside = critical_delay({1: [(0, 100 * us, "vllm", 40 * us)], 2: [(50 * us, 100 * us, "batch")]}, [1, 2])
+    assert beside.seconds == pytest.approx((20 + 50) * 1e-6)
+    # 50-100: the whole wait (density 1) and the record (0.4) share the instant by their densities.
+    assert dict(beside.by) == pytest.approx({"vllm": 20e-6 + 50e-6 * 0.4 / 1.4, "batch": 50e-6 / 1.4})
+    # Two records at once, taken as independent: 1 - (1 - 0.4)(1 - 0.5) of the time.
+    two = critical_delay({1: [(0, 100 * us, "vllm", 40 * us)], 2: [(0, 100 * us, "batch", 50 * us)]}, [1, 2])
+    assert two.seconds == pytest.approx(70e-6)
+    assert sum(s for _, s in two.by) == pytest.approx(two.seconds)
+
+
+def test_clipping_a_merged_record_keeps_its_share_in_proportion():
+    from agent.attribution.critical_path import clip
+    assert clip([(0, 100, "a", 40), (100, 200, "b")], 50, 150) == [(50, 100, "a", 20), (100, 150, "b")]
+    assert clip([(0, 100, "a", 40)], 0, 100) == [(0, 100, "a", 40)] and clip([(0, 100, "a", 40)], 100, 200) == []

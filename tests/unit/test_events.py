@@ -116,16 +116,72 @@ def test_thread_waits_keep_kind_and_culprit_in_end_order_and_clip():
     log = EventLog(retention_ns=10**12)
     log.add([SchedEvent(10, EV_RUNQ, 100, 200, 0, 7), SchedEvent(10, EV_PREEMPTED, 300, 400, 11, 7),
              SchedEvent(10, EV_PREEMPTED, 210, 250, 12, 7), SchedEvent(10, EV_RUNQ, 50, 500, 13, 8)])
-    assert log.thread_waits({10}, 150, 350) == {7: [(150, 200, EV_RUNQ, 0), (210, 250, EV_PREEMPTED, 12),
-                                                     (300, 350, EV_PREEMPTED, 11)],
-                                                8: [(150, 350, EV_RUNQ, 13)]}
+    assert log.thread_waits({10}, 150, 350) == {7: [(150, 200, EV_RUNQ, 0, 50), (210, 250, EV_PREEMPTED, 12, 40),
+                                                     (300, 350, EV_PREEMPTED, 11, 50)],
+                                                8: [(150, 350, EV_RUNQ, 13, 200)]}
     assert log.thread_waits({10}, 600, 700) == {} and log.thread_waits({99}, 0, 1000) == {}
 
 
 def test_event_rows_have_the_ring_buffer_records_layout_and_round_trip():
     # The drain reads the records' bytes as EVENT_ROW.
-    raw = layout.SchedEvent(cgid=2**63 + 5, other_cgid=11, start_ns=100, end_ns=250, tid=4_000_000, kind=EV_PREEMPTED)
+    raw = layout.SchedEvent(cgid=2**63 + 5, other_cgid=11, start_ns=100, end_ns=250, wait_ns=150, tid=4_000_000,
+                            kind=EV_PREEMPTED, waits=1)
     (row,) = events_of(np.frombuffer(ct.string_at(ct.addressof(raw), ct.sizeof(raw)), dtype=EVENT_ROW))
     assert row == SchedEvent(2**63 + 5, EV_PREEMPTED, 100, 250, 11, 4_000_000)
     events = _events(300)
     assert events_of(event_rows(events)) == events
+
+
+def _spinner(n, seed=3):
+    """A spinning thread's short preempted waits behind one culprit, as the
+    kernel streams them one by one, and as it merges them (bpf/sched.bpf.c
+    stream_wait(): each under 100 µs, no record over 1 ms)."""
+    rng = random.Random(seed)
+    t = 1_000_000_000
+    waits = []
+    for _ in range(n):
+        t += rng.randint(1_000, 5_000)                  # ran
+        w = rng.randint(500, 90_000)                    # waited
+        waits.append((t, t + w))
+        t += w
+    merged, group = [], []
+    for s, e in waits + [(None, None)]:
+        if group and (s is None or e - group[0][0] > 1_000_000):
+            merged.append(SchedEvent(10, EV_PREEMPTED, group[0][0], group[-1][1], 12, 7,
+                                     sum(b - a for a, b in group), len(group)))
+            group = []
+        if s is not None:
+            group.append((s, e))
+    return [SchedEvent(10, EV_PREEMPTED, s, e, 12, 7) for s, e in waits], merged
+
+
+def test_merged_waits_cut_like_the_waits_they_hold_at_record_edges_and_in_proportion_inside():
+    single, merged = _spinner(3_000)
+    assert sum(m.waits for m in merged) == len(single) and len(merged) < len(single) / 5
+    one, many = EventLog(retention_ns=10**12), EventLog(retention_ns=10**12)
+    one.add(single)
+    many.add(merged)
+    total = sum(e.end_ns - e.start_ns for e in single)
+    everything = (0, 2 * 10**12)
+    assert many.between({10}, *everything).runq_wait_ns == one.between({10}, *everything).runq_wait_ns == total
+    assert many.between({10}, *everything).preemptions == len(single)
+    assert many.waits_by_thread({10}, *everything) == {7: total}
+    # A window whose edges fall between records: the same figures exactly.
+    lo, hi = merged[3].end_ns, merged[-4].end_ns
+    a, b = one.between({10}, lo, hi), many.between({10}, lo, hi)
+    assert (a.runq_wait_ns, a.preemptions, a.preempted_by) == (b.runq_wait_ns, b.preemptions, b.preempted_by)
+    # Edges inside records: off by less than the waits of the two records cut.
+    lo = (merged[3].start_ns + merged[3].end_ns) // 2
+    hi = (merged[-4].start_ns + merged[-4].end_ns) // 2
+    a, b = one.between({10}, lo, hi), many.between({10}, lo, hi)
+    assert abs(a.runq_wait_ns - b.runq_wait_ns) <= merged[3].wait_ns + merged[-4].wait_ns
+    assert abs(a.preemptions - b.preemptions) <= merged[3].waits + merged[-4].waits
+    (waits,) = many.thread_waits({10}, lo, hi).values()
+    assert sum(w for *_, w in waits) == b.runq_wait_ns
+    assert waits[0][0] == lo and waits[-1][1] == hi
+    # Out of order by a few µs, as CPUs submit: the totals stay right.
+    late = EventLog(retention_ns=10**12)
+    late.add(merged[:10] + merged[11:20])
+    late.add([merged[10]] + merged[20:])
+    assert late.between({10}, *everything).runq_wait_ns == total
+    assert late.between({10}, *everything).preemptions == len(single)

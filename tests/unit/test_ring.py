@@ -58,7 +58,9 @@ def ring(tmp_path):
 
 
 def event(i: int) -> tuple:
-    return (100 + i, 7, 1000 * i, 1000 * i + 500, 4000 + i, i % 5)
+    # (cgid, other, start, end, wait, tid, kind, waits): every fourth merges waits
+    merged = i % 4 == 0
+    return (100 + i, 7, 1000 * i, 1000 * i + 500, 120 if merged else 500, 4000 + i, i % 5, 3 if merged else 1)
 
 
 def test_records_come_out_in_order_across_the_wrap_and_free_their_room(ring):
