@@ -40,21 +40,28 @@ class Prometheus:
         return json.loads(body)["data"]
 
 
-def start_prometheus(tmp: Path, target: str) -> Prometheus:
+def start_prometheus(tmp: Path, target: str | None = None, *, scrape_configs: list[dict] | None = None,
+                     interval: str = "1s", rule_files: tuple[Path, ...] = (RULES,), nice: int = 0,
+                     timeout: float = 30.0) -> Prometheus:
+    """Prometheus scraping `target` (one agent) or `scrape_configs`, every
+    `interval`, evaluating `rule_files`; under `nice` beside other people's tests."""
     port = free_port()
+    if scrape_configs is None:
+        scrape_configs = [{"job_name": "slatrace", "static_configs": [{"targets": [target]}]}]
     config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "slatrace", "static_configs": [{"targets": [target]}]}],
+        "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+        "rule_files": [str(r) for r in rule_files],
+        "scrape_configs": scrape_configs,
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = open(tmp / "prometheus.log", "wb")
     proc = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        (["nice", "-n", str(nice)] if nice else [])
+        + ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+           f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
         stdout=log, stderr=subprocess.STDOUT)
     prom = Prometheus(f"http://127.0.0.1:{port}", proc)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"prometheus exited: {(tmp / 'prometheus.log').read_text()}")
@@ -65,14 +72,13 @@ def start_prometheus(tmp: Path, target: str) -> Prometheus:
             pass
         time.sleep(0.1)
     proc.kill()
-    raise TimeoutError("prometheus not ready after 30 s")
-
-
+    proc.wait()
+    raise TimeoutError(f"prometheus not ready after {timeout:.0f} s")
 
 
 @contextlib.contextmanager
-def running_prometheus(tmp: Path, target: str) -> Iterator[Prometheus]:
-    prom = start_prometheus(tmp, target)
+def running_prometheus(tmp: Path, target: str | None = None, **options) -> Iterator[Prometheus]:
+    prom = start_prometheus(tmp, target, **options)
     try:
         yield prom
     finally:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.attribution.causes import CAUSES
@@ -82,8 +83,23 @@ def _exposed_names() -> tuple[set[str], set[str]]:
     return names, les
 
 
-def test_both_dashboards_exist() -> None:
-    assert {p.name for p in DASHBOARDS} >= {"slatrace-overview.json", "slatrace-requests.json"}
+def test_the_dashboards_exist() -> None:
+    assert {p.name for p in DASHBOARDS} >= {"slatrace-overview.json", "slatrace-requests.json",
+                                            "slatrace-fleet.json"}
+
+
+def test_fleet_dashboard_reads_recorded_series_and_drills_down_by_node() -> None:
+    fleet = {n for n in _recorded_names() if n.startswith(("service_", "service:"))}
+    exprs = [t["expr"] for _, t in _targets(_load(REPO / "dashboards" / "slatrace-fleet.json"))]
+    read = set().union(*(metric_names(e) for e in exprs))
+    # The fleet figures come from the recorded series, not from every node's raw series again.
+    assert {"service_quantile:slatrace_runq_latency_seconds:histogram_quantile5m",
+            "service_by_service:slatrace_preempted_wait_seconds:rate5m",
+            "service_cause_culprit:slatrace_request_delay_seconds:rate5m",
+            "service_slo:slatrace_slo_breach_ratio:rate5m"} <= read & fleet
+    raw = [e for e in exprs if not metric_names(e) <= fleet]
+    assert raw and all('instance=~"$node"' in e and "instance" in e.split("by (", 1)[-1] for e in raw
+                       if "histogram_quantile" in e)
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
@@ -139,9 +155,16 @@ def test_every_panel_has_a_title_a_description_and_the_datasource_variable(path:
             f"panel {p['title']!r} of {path.name} must use the Prometheus data source through {DS_REF}"
 
 
+def _recorded_names() -> set[str]:
+    """Series the recording rules write (deploy/rules/slatrace.rules.yaml): the fleet dashboard reads them."""
+    doc = yaml.safe_load((REPO / "deploy" / "rules" / "slatrace.rules.yaml").read_text())
+    return {r["record"] for g in doc["groups"] for r in g["rules"] if "record" in r}
+
+
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_queried_metric_is_exposed(path: Path) -> None:
     exposed, les = _exposed_names()
+    exposed |= _recorded_names()
     dash = _load(path)
     exprs = [t["expr"] for _, t in _targets(dash)]
     for v in dash["templating"]["list"]:
@@ -160,9 +183,14 @@ def test_every_queried_metric_is_exposed(path: Path) -> None:
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
 def test_every_panel_with_a_service_label_filters_on_node_and_service(path: Path) -> None:
+    # Series recorded over every node (the fleet rules) have no instance left to filter on.
+    fleet = {n for n in _recorded_names() if "instance" not in n.partition(":")[0].split("_")}
     for panel, t in _targets(_load(path)):
-        for selector in re.findall(r"\{([^}]*)\}", t["expr"]):
-            assert 'instance=~"$node"' in selector, (panel["title"], t["expr"])
+        for name, selector in re.findall(r"([\w:]*)\{([^}]*)\}", t["expr"]):
+            if name in fleet:
+                assert 'service=~"$service"' in selector, (panel["title"], t["expr"])
+            else:
+                assert 'instance=~"$node"' in selector, (panel["title"], t["expr"])
 
 
 def test_overview_covers_the_questions_it_must_answer() -> None:
