@@ -25,6 +25,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import yaml  # noqa: E402
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 from agent.transport.server import ServerStats  # noqa: E402
@@ -52,6 +53,7 @@ from agent.traces.engines import EngineScraper  # noqa: E402
 from agent.traces.metrics import TraceCounters  # noqa: E402
 
 DOC = REPO / "docs" / "metrics.md"
+RULES = REPO / "deploy" / "rules" / "slatrace.rules.yaml"
 QS = (0.5, 0.9, 0.95, 0.99)
 
 
@@ -241,6 +243,25 @@ OFF_BUDGET = {
 }
 
 
+def recording_rules() -> list[str]:
+    """The recorded series of the shipped rule file, group by group."""
+    out = []
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        rows = [r for r in group["rules"] if "record" in r]
+        if not rows:
+            continue
+        out += [f"Group `{group['name']}`:", "", "| series | expression |", "|---|---|"]
+        seen: dict[str, list[str]] = {}
+        for r in rows:
+            expr = " ".join(r["expr"].split()).replace("|", "\\|")
+            extra = ", ".join(f'{k}="{v}"' for k, v in r.get("labels", {}).items())
+            seen.setdefault(r["record"], []).append(f"`{expr}`" + (f" ({extra})" if extra else ""))
+        for name, exprs in seen.items():
+            out.append(f"| `{name}` | {'<br>'.join(exprs)} |")
+        out.append("")
+    return out
+
+
 def render() -> str:
     declared = [spec.name for section in SECTIONS for spec in section]
     assert sorted(declared) == sorted(spec.name for spec in catalog.FAMILIES), \
@@ -426,6 +447,18 @@ def render() -> str:
         "somewhere inside it (a median of 2 µs reads as ~5 µs); the agent's quantile keeps",
         "its 1/16-octave resolution there.",
         "",
+        "## Recording rules",
+        "",
+        "`deploy/rules/slatrace.rules.yaml` (also as a PrometheusRule, `deploy/prometheus-rules.yaml`)",
+        "records these series, named `level:metric:operations`. `slatrace.recording` keeps the",
+        "`instance` (one node) for the alerts; `slatrace.fleet` adds up every node a Prometheus",
+        "scrapes: quantiles from the buckets summed over the nodes (never averaged per-node",
+        "quantiles; only services exported with their buckets have them), culprits and request",
+        "delays by cause as sums, and SLO breach ratios over the nodes that run the service.",
+        "The fleet dashboard (`dashboards/slatrace-fleet.json`) reads them; [fleet.md](fleet.md)",
+        "says which rules to run where when Prometheus is sharded, and what they cost.",
+        "",
+        *recording_rules(),
     ]
     return "\n".join(out)
 
