@@ -140,6 +140,7 @@ class Daemon:
         # Every background worker's failures, by name.
         self.registry.register(WorkerCollector(started))
         self._probe = None
+        self._probe_load = None   # the build process at work, during start()
         self._bpf_stats = BpfStatsSampler(getattr(options, "bpf_stats", "sampled"))
         self._slo_warnings = UnknownSloWarnings()
         self.subscribers.subscribe("slos", lambda slos: self._slo_warnings.reset())
@@ -189,34 +190,24 @@ class Daemon:
             features = feat.detect()
         except feat.FeatureError as e:
             raise StartupError(str(e)) from None
-        self._otlp_metrics = self._make_otlp_metrics()
-        raise_fd_limit()
-        self._server = HttpServer(host, port, Api(self.state), access=self._access)
-        self._server.start()
-        self._servers.add(self._server)
-        log.info("listening on %s://%s:%d", self._server.scheme, host, self._server.port)
-
-        from agent.probe.loader import (  # noqa: PLC0415  (imports bcc)
+        from agent.probe.loader import (  # noqa: PLC0415  (imports numpy)
             MapMemoryError, MapSizes, Probe, attach_mode, events_per_window)
 
         try:
             mode = attach_mode(features, self.config.attach_mode)
         except ValueError as e:
             raise StartupError(f"{e}; use --attach-mode classic (or auto)") from None
+        # BCC compiles and attaches in a process of its own (agent/probe/build.py)
+        # while the rest of the agent starts here.
         t0 = time.monotonic()
-        try:
-            self._probe = Probe.load(features, tracepoints=mode,
-                                     sizes=MapSizes(event_rate=events_per_window(self.config.event_rate)))
-        except MapMemoryError as e:
-            raise StartupError(f"cannot load the BPF programs: {e}") from None
-        except Exception as e:  # noqa: BLE001  (BCC raises bare Exception on compile/attach failure)
-            raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
-                               "to see which prerequisite is missing") from None
-        if self._probe.btf_refused:
-            log.warning("the kernel refused the BTF-typed programs (%s); raw tracepoints instead",
-                        self._probe.btf_refused)
-        log.info("BPF programs attached to %s tracepoints in %.2f s", self._probe.mode, time.monotonic() - t0)
-        self._bpf_stats.start()
+        self._probe_load = Probe.begin_load(features, tracepoints=mode,
+                                            sizes=MapSizes(event_rate=events_per_window(self.config.event_rate)))
+        self._otlp_metrics = self._make_otlp_metrics()
+        raise_fd_limit()
+        self._server = HttpServer(host, port, Api(self.state), access=self._access)
+        self._server.start()
+        self._servers.add(self._server)
+        log.info("listening on %s://%s:%d", self._server.scheme, host, self._server.port)
         cgroups = CgroupPaths(features.cgroup2)
         self._pod_watcher.start()
         self._resolver = ServiceResolver(self.config.services, cgroups, max_services=self.config.max_services,
@@ -225,6 +216,23 @@ class Daemon:
         self.subscribers.subscribe("services", self._resolver.set_rules)
         self._throttle_reader = ThrottleReader(find_cpu_hierarchy(Path("/proc/mounts").read_text()),
                                                features.cgroup2)
+        self._start_traces(cgroups)
+        try:
+            self._probe = self._probe_load.result()
+        except MapMemoryError as e:
+            raise StartupError(f"cannot load the BPF programs: {e}") from None
+        except Exception as e:  # noqa: BLE001  (BCC's reason, from the build process)
+            raise StartupError(f"cannot load the BPF programs ({e}){seccomp_hint()}; run 'slatrace check' "
+                               "to see which prerequisite is missing") from None
+        finally:
+            self._probe_load = None
+        if self._probe.btf_refused:
+            log.warning("the kernel refused the BTF-typed programs (%s); raw tracepoints instead",
+                        self._probe.btf_refused)
+        peak = self._probe.build_peak_bytes
+        log.info("BPF programs attached to %s tracepoints in %.2f s%s", self._probe.mode, time.monotonic() - t0,
+                 f" (compiled by a separate process, peak {peak / 2**20:.0f} MiB resident)" if peak else "")
+        self._bpf_stats.start()
         if self._probe.mode != "classic":
             log.info("kernel threads counted as service 'kernel' (recognised in the kernel)")
         else:
@@ -234,7 +242,6 @@ class Daemon:
         if self._otlp_metrics is not None:
             self._otlp_metrics.start()
         self._drain.start()
-        self._start_traces(cgroups)
         # Last of the start-up: the receivers' libraries (gRPC) are loaded by now.
         self._release_compiler_memory()
         self._collect_first_interval()
@@ -261,10 +268,11 @@ class Daemon:
             self.poll_once()
 
     def _release_compiler_memory(self) -> None:
-        """The compiler is done: give its heap and library pages back (agent/probe/footprint.py)."""
+        """Start-up is done: give its heap and the pages of libraries it touched back
+        (agent/probe/footprint.py). The compiler ran in the build process."""
         from agent.probe.footprint import release_compiler_memory  # noqa: PLC0415
 
-        log.info("after the compile: %s", release_compiler_memory().describe())
+        log.info("after start-up: %s", release_compiler_memory().describe())
 
     def _start_traces(self, cgroups: CgroupPaths) -> None:
         from agent.traces.runtime import Traces  # noqa: PLC0415
@@ -392,6 +400,9 @@ class Daemon:
             self._traces.close()
             self._traces = None
         self._drain.stop(2.0)
+        if self._probe_load is not None:
+            self._probe_load.cancel()
+            self._probe_load = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None

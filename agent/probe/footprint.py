@@ -1,12 +1,13 @@
 """Hands the start-up's memory back once the programs are attached.
 
-BCC compiles in-process with clang/LLVM. After the compile the agent never
-runs that code again, yet it stays resident: the pages of libLLVM and
-libclang-cpp that the compile touched (file pages, ~80 MiB) and the heap the
-compiler freed but malloc kept (~25 MiB). Start-up also touches pages of
-libraries the agent then hardly uses (the TLS library prometheus_client's
-import pulls in, numpy's OpenBLAS, most of libbcc): ~12 MiB more. All of it is
-returned here, once, right after attach:
+The agent itself never maps the compiler: BCC compiles in a short-lived
+process (agent/probe/build.py). Start-up still touches pages of libraries the
+agent then hardly uses (the TLS library prometheus_client's import pulls in,
+numpy's OpenBLAS, gRPC's core), and leaves heap that malloc keeps. Those are
+returned here, once, right after attach. The compiler's steps below matter
+only to a process that compiled with BCC itself (a test or a bench does: in
+such a process libLLVM's and libclang-cpp's touched pages, ~80 MiB, and the
+compiler's freed heap, ~25 MiB, would otherwise stay resident):
 
 - malloc_trim(0) gives the free heap back to the kernel;
 - madvise(MADV_PAGEOUT) over the compiler's file mappings, then over every
@@ -61,11 +62,12 @@ class Released:
     map_bytes: int | None = None   # the BPF maps' kernel memory
 
     def describe(self) -> str:
-        text = (f"heap trimmed: {'yes' if self.trimmed else 'no'}; compiler mappings paged out: "
-                f"{self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB mapped"
-                + (f", page cache of {self.files_dropped} files dropped" if self.files_dropped else "")
-                + "; other shared libraries: "
-                f"{self.library_ranges} ranges, {self.library_bytes / 2**20:.0f} MiB mapped")
+        text = f"heap trimmed: {'yes' if self.trimmed else 'no'}; "
+        if self.ranges:  # the compiler mapped here (not in the agent: agent/probe/build.py compiles)
+            text += (f"compiler mappings paged out: {self.ranges} ranges, {self.paged_out_bytes / 2**20:.0f} MiB "
+                     "mapped" + (f", page cache of {self.files_dropped} files dropped" if self.files_dropped else "")
+                     + "; other ")
+        text += f"shared libraries: {self.library_ranges} ranges, {self.library_bytes / 2**20:.0f} MiB mapped"
         text += f" ({self.error})" if self.error else ""
         if self.peak_bytes is not None:
             # A container's memory limit holds both (BENCHMARKS.md, "Memory cgroup charge").

@@ -1,6 +1,10 @@
-"""Loads bpf/sched.bpf.c with BCC, drains its maps, hands out snapshots.
+"""Loads bpf/sched.bpf.c, drains its maps, hands out snapshots.
 
-The only module that imports bcc. Every snapshot drains the counting maps:
+BCC compiles, loads and attaches the programs in a short-lived child process
+(agent/probe/build.py), which hands over the maps, programs and attachments
+as file descriptors: this process reads them with the bpf(2) system call
+(agent/probe/bpfsys.py) and never maps libbcc or the compiler. Every
+snapshot drains the counting maps:
 flip the generation the programs count into, wait out programs still using
 the old one, read the old generation in batches (one syscall per chunk), then
 delete exactly those keys. Entries of dead cgroups vanish with their last
@@ -20,12 +24,13 @@ import agent
 from agent.probe.features import ATTACH_MODES, Features
 import numpy as np
 
+from agent.probe.bpfsys import BpfMap, possible_cpus
+from agent.probe.build import Built, BuildError, MapMemoryError, PendingBuild
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
                                 TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, EVENT_ROW, HIST_ROW, KERNEL_CGID,
                                   ProbeSnapshot, ProgramStats, SchedEvent, events_of)
 from agent.probe.ring import RingReader
-from agent.probe.tracing import TracingPrograms
 
 BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
@@ -130,14 +135,8 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
     return [f"-I{bpf_source_dir()}"] + [f"-D{k}={v:#x}" for k, v in values.items()]
 
 
-class MapMemoryError(Exception):
-    """The kernel refused a BPF map's memory: under a memory cgroup's limit, the
-    maps' kernel memory is charged on top of what the compile holds."""
-
-    def __str__(self) -> str:
-        return ("the kernel refused memory for the BPF maps (Cannot allocate memory): the memory cgroup's "
-                "limit is too small for the maps' kernel memory on top of the compile's peak; raise the "
-                "container's memory limit (BENCHMARKS.md, 'Memory cgroup charge')")
+__all__ = ["BuildError", "MapMemoryError", "MapSizes", "Probe", "ProbeLoad", "attach_mode", "cflags",
+           "events_per_window"]
 
 
 # Per-CPU write-combining caches -> entry type. Each holds two halves, one
@@ -153,10 +152,10 @@ def monotonic_ns() -> int:
 class Probe:
     """The loaded BPF programs. Create with Probe.load(); close() detaches."""
 
-    def __init__(self, bpf, ncpu: int) -> None:
-        self._bpf = bpf
+    def __init__(self, built: Built, ncpu: int) -> None:
+        self._built = built
         self._ncpu = ncpu
-        self._lib = __import__("bcc").libbcc.lib
+        self._maps = {name: BpfMap.from_fd(name, fd, ncpu) for name, fd in built.maps.items()}
         self._buffers: dict[str, tuple] = {}
         self.load_mono_ns = monotonic_ns()
         self.load_wall = time.time()
@@ -165,7 +164,6 @@ class Probe:
         self.mode = "classic"  # set by load(): "btf", "raw" or "classic" tracepoints
         # Why "auto" fell back from "btf" to "raw" on this kernel, if it did.
         self.btf_refused = ""
-        self._tracing = None   # the BTF-typed programs (agent/probe/tracing.py), in "btf" mode
         self._errors_seen = {name: 0 for name in ERROR_MAPS}
         # Whether the kernel has batch operations on per-CPU arrays (5.13 on);
         # None until the first drain asks.
@@ -180,87 +178,60 @@ class Probe:
         (a kernel between 5.11 and the one that let tracing programs use
         task-local storage), "auto" takes raw tracepoints and says why in
         btf_refused. skip_wakeups: see cflags()."""
-        mode = attach_mode(features, tracepoints)
-        if mode != "btf":
-            return cls._load(features, sizes, mode, skip_wakeups)
-        try:
-            return cls._load(features, sizes, mode, skip_wakeups)
-        except MapMemoryError:
-            raise
-        except Exception as e:  # BCC raises a bare Exception when the kernel refuses a map
-            if tracepoints != "auto":
-                raise
-            probe = cls._load(features, sizes, "raw", skip_wakeups)
-            probe.btf_refused = str(e).strip() or type(e).__name__
-            return probe
+        return cls.begin_load(features, sizes, tracepoints, skip_wakeups).result()
 
     @classmethod
-    def _load(cls, features: Features, sizes: MapSizes, mode: str, skip_wakeups: int) -> "Probe":
-        from bcc import BPF  # noqa: PLC0415  (bcc only where BPF is loaded)
-
-        src = bpf_source_dir() / "sched.bpf.c"
-        try:
-            bpf = BPF(src_file=str(src).encode(), cflags=cflags(features, sizes, mode, skip_wakeups))
-        except Exception:
-            # libbcc's errno when it gave up (ctypes keeps it): ENOMEM is a map
-            # the kernel could not charge, BCC's message says "failed to compile".
-            if ct.get_errno() == errno.ENOMEM:
-                raise MapMemoryError() from None
-            raise
-        ncpu = len(bpf[b"errors"].getvalue(0))
-        probe = cls(bpf, ncpu)
-        probe.mode = mode
-        if mode == "btf":
-            try:
-                probe._tracing = TracingPrograms(bpf, dict(features.task_layout.btf_trace_ids))
-                probe._tracing.attach()
-            except BaseException:
-                probe.close()
-                raise
-        return probe
+    def begin_load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
+                   skip_wakeups: int = 0) -> "ProbeLoad":
+        """load(), started: the compile runs in its own process while the
+        caller goes on; ProbeLoad.result() gives the Probe."""
+        return ProbeLoad(cls, features, sizes, attach_mode(features, tracepoints), tracepoints == "auto",
+                         skip_wakeups)
 
     @property
-    def bpf(self):
-        return self._bpf
+    def build_peak_bytes(self) -> int | None:
+        """The build process's resident peak (VmHWM): the compile's."""
+        return self._built.peak_bytes
+
+    def map_type_descriptions(self) -> dict[str, tuple[str, str]]:
+        """Map name -> BCC's JSON descriptions of its key and value types, as compiled."""
+        return dict(self._built.types)
 
     def close(self) -> None:
+        """Detach (the attachments go first) and release every map."""
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-        if self._tracing is not None:
-            self._tracing.close()
-            self._tracing = None
-        if self._bpf is not None:
-            self._bpf.cleanup()
-            self._bpf = None
+        self._built.close()
+        self._maps = {}
 
     def program_fds(self) -> dict[str, int]:
         """Program name (the tracepoint) -> fd, for the kernel's cost counters."""
-        out = {}
-        for name, fn in self._bpf.funcs.items():
-            short = name.decode().rsplit("__", 1)[-1]
-            out[short] = fn.fd
-        if self._tracing is not None:
-            out.update(self._tracing.prog_fds)
-        return out
+        return dict(self._built.programs)
+
+    def _map(self, name: str) -> BpfMap:
+        try:
+            return self._maps[name]
+        except KeyError:
+            raise KeyError(f"the loaded programs have no map {name!r} (closed?)") from None
 
     def watch(self, cgids: set[int]) -> None:
         """Stream exact wait events for exactly these cgroups from now on."""
-        table = self._bpf[b"watched"]
-        current = {int(k.value) for k in table.keys()}
+        table = self._map("watched")
+        key_t, val_t = MAP_TYPES["watched"]
+        current = {key_t.from_buffer_copy(k).value for k in table.keys()}
         for cgid in current - cgids:
-            del table[table.Key(cgid)]
+            table.delete(bytes(key_t(cgid)))
         for cgid in cgids - current:
-            table[table.Key(cgid)] = table.Leaf(1)
+            table.update(bytes(key_t(cgid)), bytes(val_t(1)))
         if cgids and self._ring is None:
-            events = self._bpf[b"events"]
-            self._ring = RingReader(events.map_fd, events.max_entries, EVENT_ROW)
+            events = self._map("events")
+            self._ring = RingReader(events.fd, events.max_entries, EVENT_ROW)
         self._ctl.watch_on = 1 if cgids else 0
         self._write_ctl()
 
     def _write_ctl(self) -> None:
-        table = self._bpf[b"ctl"]
-        table[table.Key(0)] = self._ctl
+        self._map("ctl").update(bytes(ct.c_uint32(0)), bytes(self._ctl))
 
     def _wait_for_programs(self) -> None:
         """Return once no program that may have read the old ctl.gen still runs.
@@ -274,8 +245,7 @@ class Probe:
         entry between the read and the delete (or the zeroing of a cache
         entry) loses its wait without a trace, in the tally as well.
         """
-        fence = self._bpf[b"fence"]
-        fence[fence.Key(0)] = fence.Leaf(self._bpf[b"fence_inner"].map_fd)
+        self._map("fence").update(bytes(ct.c_uint32(0)), bytes(ct.c_uint32(self._map("fence_inner").fd)))
 
     def mark_kernel_threads(self, tids: list[int]) -> int:
         """Count these tasks under the kernel pseudo cgroup from now on. New
@@ -286,22 +256,22 @@ class Probe:
         first seen, and nothing is marked here. Returns how many were marked."""
         if self.mode != "classic":
             return 0
-        table = self._bpf[b"tasks"]
+        table = self._map("tasks")
+        key_t = MAP_TYPES["tasks"][0]
         marked = 0
         for tid in tids:
-            key = table.Key(tid)
-            try:
-                info = table[key]
-            except KeyError:
-                # Not seen yet: as if running, so a wakeup before its first
-                # traced switch-out cannot start a bogus wait.
-                info = TaskInfo(ts=0, cgid=KERNEL_CGID, preemptor_cgid=0, state=TS_RUNNING, flags=0)
+            key = bytes(key_t(tid))
+            found = table.lookup(key)
+            # Not seen yet: as if running, so a wakeup before its first
+            # traced switch-out cannot start a bogus wait.
+            info = TaskInfo.from_buffer_copy(found) if found is not None else \
+                TaskInfo(ts=0, cgid=KERNEL_CGID, preemptor_cgid=0, state=TS_RUNNING, flags=0)
             info.flags |= TF_KTHREAD
             info.cgid = KERNEL_CGID
             try:
-                table[key] = info
+                table.update(key, bytes(info))
                 marked += 1
-            except Exception:  # noqa: BLE001  (the task map is full: the thread stays counted as host)
+            except OSError:  # the task map is full: the thread stays counted as host
                 continue
         return marked
 
@@ -314,8 +284,12 @@ class Probe:
     def dropped_events(self) -> int:
         """Events the stream dropped since load, all CPUs: a full ring buffer
         and the rate limit (the errors array, read without draining it)."""
-        err = self._bpf[b"errors"]
-        return sum(int(sum(err.getvalue(i))) for i, name in enumerate(ERROR_MAPS) if name.startswith("events"))
+        return sum(self._percpu_sum("errors", i) for i, name in enumerate(ERROR_MAPS) if name.startswith("events"))
+
+    def _percpu_sum(self, name: str, index: int) -> int:
+        """Entry `index` of a per-CPU array of u64, summed over CPUs."""
+        value = self._map(name).lookup(bytes(ct.c_uint32(index)))
+        return int(np.frombuffer(value, np.uint64).sum()) if value is not None else 0
 
     def drain_events(self) -> list[SchedEvent]:
         """Every event the ring buffer holds, oldest first."""
@@ -347,17 +321,16 @@ class Probe:
     def _drain_tally(self, gen: int) -> tuple[int, int]:
         """The waits the programs saw in generation `gen` (bpf/sched.h tally),
         summed over CPUs, then zeroed for that generation's next turn."""
-        table = self._bpf[b"tally"]
+        table = self._map("tally")
         out = []
         for kind in (TALLY_RUNQ, TALLY_IOWAIT):
-            key = table.Key(gen * NR_TALLY + kind)
-            out.append(int(sum(table.getvalue(key))))
-            table[key] = table.Leaf()
+            index = gen * NR_TALLY + kind
+            out.append(self._percpu_sum("tally", index))
+            table.update(bytes(ct.c_uint32(index)), bytes(table.value_bytes))
         return out[0], out[1]
 
     def _error_counts(self) -> dict[str, int]:
-        err_table = self._bpf[b"errors"]
-        return {name: int(sum(err_table.getvalue(i))) for i, name in enumerate(ERROR_MAPS)}
+        return {name: self._percpu_sum("errors", i) for i, name in enumerate(ERROR_MAPS)}
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """run_cnt / run_time_ns per program, from /proc/self/fdinfo (zero
@@ -402,25 +375,24 @@ class Probe:
         per used entry per CPU, then that half zeroed for its next turn. Same
         fence as the maps: no program adds to this half any more."""
         slot_t = CACHES[name]
-        table = self._bpf[name.encode()]
-        fd, entries = table.map_fd, table.max_entries // 2
+        table = self._map(name)
+        entries = table.max_entries // 2
         first = gen * entries
         index = np.arange(first, first + entries, dtype=np.uint32)
         slots = np.zeros((entries, self._ncpu), np.dtype(slot_t))
-        if not self._read_array(name, fd, first, index, slots):
+        if not self._read_array(table, first, index, slots):
             # Per-CPU arrays have batch operations from 5.13 only: one entry at a time.
             for i in range(entries):
-                idx = ct.c_uint32(first + i)
-                if self._lib.bpf_lookup_elem(fd, ct.byref(idx), slots[i].ctypes.data) != 0:
-                    err = ct.get_errno()
-                    raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+                value = table.lookup(bytes(ct.c_uint32(first + i)))
+                if value is not None:
+                    slots[i] = np.frombuffer(value, slots.dtype, self._ncpu)
         used = (slots["val"]["count"] != 0).any(axis=1)
-        self._zero_entries(name, fd, index[used], slot_t)
+        self._zero_entries(table, index[used], slot_t)
         rows = slots[used].reshape(-1)
         rows = rows[rows["val"]["count"] != 0]
         return rows["key"], rows["val"]
 
-    def _read_array(self, name: str, fd: int, first: int, index: np.ndarray, slots: np.ndarray) -> bool:
+    def _read_array(self, table: BpfMap, first: int, index: np.ndarray, slots: np.ndarray) -> bool:
         """Read entries first.. of an array map into `slots` in one batch;
         False where the kernel has no batch lookup for this map type.
 
@@ -431,45 +403,40 @@ class Probe:
             return False
         # The batch token is the key before the first one wanted (none: from 0).
         before, out, count = ct.c_uint32(first - 1), ct.c_uint32(0), ct.c_uint32(len(index))
-        res = self._lib.bpf_lookup_batch(fd, ct.byref(before) if first else None, ct.byref(out),
-                                         index.ctypes.data, slots.ctypes.data, ct.byref(count))
-        err = ct.get_errno() if res != 0 else 0
+        res = table.lookup_batch(before if first else None, out, index.ctypes.data, slots.ctypes.data, count)
+        err = -res if res < 0 else 0
         if res == 0 or (err == errno.ENOENT and count.value == len(index)):
             self._array_batch = True
             return True
         if err in (errno.EINVAL, ENOTSUPP) and not self._array_batch:
             self._array_batch = False
             return False
-        raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
+        raise OSError(err, f"reading BPF map {table.name}: {os.strerror(err)}")
 
-    def _zero_entries(self, name: str, fd: int, index: np.ndarray, slot_t: type) -> None:
+    def _zero_entries(self, table: BpfMap, index: np.ndarray, slot_t: type) -> None:
         """Zero these entries of a per-CPU array on every CPU, in one batch."""
         if not len(index):
             return
         index = np.ascontiguousarray(index, np.uint32)
         zeros = np.zeros((len(index), self._ncpu), np.dtype(slot_t))
         count = ct.c_uint32(len(index))
-        if self._array_batch and self._lib.bpf_update_batch(fd, index.ctypes.data, zeros.ctypes.data,
-                                                            ct.byref(count)) == 0:
-            return
         if self._array_batch:
-            err = ct.get_errno()
-            raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
+            res = table.update_batch(index.ctypes.data, zeros.ctypes.data, count)
+            if res == 0:
+                return
+            raise OSError(-res, f"clearing BPF map {table.name}: {os.strerror(-res)}")
         # Per-CPU arrays have batch operations from 5.13 only: one entry at a time.
         for i, row in zip(index, zeros):
-            idx = ct.c_uint32(int(i))
-            if self._lib.bpf_update_elem(fd, ct.byref(idx), row.ctypes.data, 0) != 0:
-                err = ct.get_errno()
-                raise OSError(err, f"clearing BPF map {name}: {os.strerror(err)}")
+            table.update(bytes(ct.c_uint32(int(i))), row.tobytes())
 
     def _delete(self, name: str, keys: np.ndarray) -> None:
-        fd = self._bpf[name.encode()].map_fd
+        table = self._map(name)
         keys = np.ascontiguousarray(keys)
         done = 0
         while done < len(keys):
             count = ct.c_uint32(len(keys) - done)
-            res = self._lib.bpf_delete_batch(fd, keys[done:].ctypes.data, ct.byref(count))
-            err = ct.get_errno() if res != 0 else 0
+            res = table.delete_batch(keys[done:].ctypes.data, count)
+            err = -res if res < 0 else 0
             if res == 0 or err == errno.ENOENT:
                 done += count.value  # else the count is not the kernel's (see _batches)
             if res != 0:
@@ -478,12 +445,8 @@ class Probe:
                     continue
                 if err in (errno.EINVAL, ENOTSUPP):
                     # Kernels before 5.6 have no batch delete: one key at a time.
-                    table = self._bpf[name.encode()]
                     for row in keys[done:]:
-                        try:
-                            del table[table.Key.from_buffer_copy(row.tobytes())]
-                        except KeyError:
-                            pass
+                        table.delete(row.tobytes())
                     return
                 raise OSError(err, f"deleting from BPF map {name}: {os.strerror(err)}")
 
@@ -494,15 +457,14 @@ class Probe:
             self._buffers[name] = ((key_t * BATCH)(), (val_t * BATCH)())
         keys, vals = self._buffers[name]
         key_dt, val_dt = np.dtype(key_t), np.dtype(val_t)
-        fd = self._bpf[name.encode()].map_fd
+        table = self._map(name)
         in_batch = ct.c_uint32(0)
         out_batch = ct.c_uint32(0)
         first = True
         while True:
             count = ct.c_uint32(BATCH)
-            res = self._lib.bpf_lookup_batch(fd, None if first else ct.byref(in_batch), ct.byref(out_batch),
-                                             ct.byref(keys), ct.byref(vals), ct.byref(count))
-            err = ct.get_errno() if res != 0 else 0
+            res = table.lookup_batch(None if first else in_batch, out_batch, keys, vals, count)
+            err = -res if res < 0 else 0
             # The count is the kernel's only on success or at the end (ENOENT);
             # a kernel without the operation leaves it as it was passed.
             n = count.value if res == 0 or err == errno.ENOENT else 0
@@ -514,14 +476,61 @@ class Probe:
                     break
                 if first and err in (errno.EINVAL, ENOTSUPP):
                     # Kernels before 5.6 have no batch lookup: one key at a time.
-                    items = list(self._bpf[name.encode()].items())
+                    items = list(table.items())
                     if items:
-                        yield (np.frombuffer(b"".join(bytes(k) for k, _ in items), key_dt),
-                               np.frombuffer(b"".join(bytes(v) for _, v in items), val_dt))
+                        yield (np.frombuffer(b"".join(k for k, _ in items), key_dt),
+                               np.frombuffer(b"".join(v for _, v in items), val_dt))
                     return
                 raise OSError(err, f"reading BPF map {name}: {os.strerror(err)}")
             first = False
             in_batch.value = out_batch.value
+
+
+class ProbeLoad:
+    """A Probe being compiled and attached by its build process
+    (agent/probe/build.py); result() waits for it, cancel() stops it."""
+
+    def __init__(self, probe_cls: type[Probe], features: Features, sizes: MapSizes, mode: str, fall_back: bool,
+                 skip_wakeups: int) -> None:
+        self._cls, self._features, self._sizes, self._skip = probe_cls, features, sizes, skip_wakeups
+        # "auto" on BTF-typed tracepoints falls back to raw ones if the kernel refuses them
+        self._fall_back = fall_back and mode == "btf"
+        self._mode = mode
+        self._pending: PendingBuild | None = self._begin(mode)
+
+    def _begin(self, mode: str) -> PendingBuild:
+        trace_ids = dict(self._features.task_layout.btf_trace_ids) if mode == "btf" else {}
+        return PendingBuild(bpf_source_dir() / "sched.bpf.c", cflags(self._features, self._sizes, mode, self._skip),
+                            mode, trace_ids)
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+    def result(self) -> Probe:
+        refused = ""
+        try:
+            built = self._pending.result()
+        except MapMemoryError:
+            raise
+        except Exception as e:  # BuildError or TracingError: the kernel refused the BTF-typed programs
+            if not self._fall_back:
+                raise
+            refused = str(e).strip() or type(e).__name__
+            self._mode = "raw"
+            self._pending = self._begin("raw")
+            built = self._pending.result()
+        finally:
+            self._pending = None
+        try:
+            probe = self._cls(built, possible_cpus())
+        except BaseException:
+            built.close()
+            raise
+        probe.mode = self._mode
+        probe.btf_refused = refused
+        return probe
 
 
 def _rows(dtype: np.dtype, n: int, **columns: np.ndarray) -> np.ndarray:

@@ -107,6 +107,11 @@ class TracingPrograms:
                 raise TracingError(f"cannot attach the BTF-typed {name} program ({os.strerror(-link)})")
             self._links[name] = link
 
+    @property
+    def link_fds(self) -> list[int]:
+        """The attachments: closing them detaches the programs."""
+        return list(self._links.values())
+
     def detach(self) -> None:
         for link in self._links.values():
             os.close(link)

@@ -82,17 +82,26 @@ def test_auto_takes_raw_tracepoints_when_the_kernel_refuses_the_btf_typed_progra
     """A kernel may have task-local storage yet refuse it to tracing programs
     (5.11): "auto" then loads raw tracepoints and says why, and an explicit
     "btf" fails with the kernel's reason."""
-    from agent.probe import features, loader, tracing
+    from agent.probe import build, features, loader, tracing
 
     f = features.detect()
     if not (f.task_layout and f.task_layout.btf_trace_ids):
         pytest.skip("this kernel offers no BTF-typed tracepoints")
 
-    class Refused:
-        def __init__(self, *_a) -> None:
+    class Refused(build.PendingBuild):
+        """The build process's answer when the kernel refuses a tp_btf program."""
+
+        def __init__(self, src, cflags, mode, trace_ids) -> None:
+            super().__init__(src, cflags, mode, trace_ids)
+            self.mode = mode
+
+        def result(self, timeout: float = build.BUILD_TIMEOUT_S) -> build.Built:
+            if self.mode != "btf":
+                return super().result(timeout)
+            self.cancel()
             raise tracing.TracingError("the kernel refused the BTF-typed sched_switch program (Invalid argument)")
 
-    monkeypatch.setattr(loader, "TracingPrograms", Refused)
+    monkeypatch.setattr(loader, "PendingBuild", Refused)
     p = loader.Probe.load(f, tracepoints="auto")
     try:
         assert p.mode == "raw" and "refused the BTF-typed sched_switch" in p.btf_refused

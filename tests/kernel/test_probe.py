@@ -17,18 +17,26 @@ def _fields(t) -> list[tuple[str, int, int]]:
 
 
 def test_ctypes_mirrors_match_what_bcc_compiled(probe_each_mode):
+    """The build process hands over BCC's own descriptions of each map's key
+    and value types; decoded by BCC here, they must be the Python mirrors,
+    field by field, and the sizes the kernel holds the maps with."""
+    import json
+
+    from bcc import BPF  # the test process may map the compiler; the agent does not
+
     from agent.probe.layout import MAP_TYPES
 
     probe = probe_each_mode
+    described = probe.map_type_descriptions()
     for name, (key_t, val_t) in MAP_TYPES.items():
         if name == "tasks" and probe.mode == "btf":
-            continue   # task-local storage: BCC's Python has no table for it, and user space never reads it
-        table = probe.bpf[name.encode()]
-        bcc_val = getattr(table, "sLeaf", table.Leaf)  # per-CPU tables keep the scalar type in sLeaf
-        assert ct.sizeof(table.Key) == ct.sizeof(key_t), name
-        assert ct.sizeof(bcc_val) == ct.sizeof(val_t), name
+            continue   # task-local storage: user space never reads it
+        key_desc, val_desc = described[name]
+        bcc_key, bcc_val = (BPF._decode_table_type(json.loads(d)) for d in (key_desc, val_desc))
+        assert ct.sizeof(bcc_key) == ct.sizeof(key_t) == probe._maps[name].key_size, name
+        assert ct.sizeof(bcc_val) == ct.sizeof(val_t) == probe._maps[name].value_size, name
         if issubclass(key_t, ct.Structure):
-            assert _fields(table.Key) == _fields(key_t), name
+            assert _fields(bcc_key) == _fields(key_t), name
         if issubclass(val_t, ct.Structure):
             assert _fields(bcc_val) == _fields(val_t), name
 

@@ -49,6 +49,9 @@ def test_description_names_what_was_done() -> None:
                     library_ranges=120).describe()
     assert text == ("heap trimmed: yes; compiler mappings paged out: 7 ranges, 161 MiB mapped; "
                     "other shared libraries: 120 ranges, 90 MiB mapped")
+    # The agent maps no compiler (agent/probe/build.py compiles): only the other libraries are named.
+    assert Released(trimmed=True, paged_out_bytes=0, ranges=0, library_bytes=53 << 20,
+                    library_ranges=171).describe() == "heap trimmed: yes; shared libraries: 171 ranges, 53 MiB mapped"
     assert Released(False, 0, 0, "madvise(MADV_PAGEOUT): Invalid argument").describe().endswith(
         "(madvise(MADV_PAGEOUT): Invalid argument)")
 

@@ -1,0 +1,210 @@
+"""Compiles, loads and attaches the BPF programs in a short-lived process, and
+hands the result to the agent as file descriptors.
+
+BCC compiles with clang/LLVM inside the process that calls it: ~110 MiB more
+resident for one second, which a process that runs for weeks would otherwise
+keep as its peak (and, until paged out, as its pages). So the agent runs
+a child process instead (`python -c` calling main() below, so
+that it imports this very package). That child imports bcc, compiles
+bpf/sched.bpf.c, loads and attaches the programs (and the BTF-typed ones,
+agent/probe/tracing.py), then sends back over a Unix socket pair, with
+SCM_RIGHTS, every descriptor the agent needs: the maps, the programs and the
+attachments (perf events of classic tracepoints, raw-tracepoint fds, bpf
+links), which keep the programs attached while any process holds them. It
+then leaves at once with os._exit(): BCC's exit handlers would disable the
+perf events the agent now shares. The agent reads the maps with the bpf(2)
+system call (agent/probe/bpfsys.py) and never maps libbcc or the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import agent
+from agent.probe.footprint import resident_peak
+
+BUILD_TIMEOUT_S = 300.0   # the compile takes ~1 s here, minutes under an emulator
+MAX_MESSAGE = 1 << 20
+MAX_FDS = 250             # SCM_MAX_FD is 253
+
+
+class BuildError(Exception):
+    """The child could not compile, load or attach the programs; its message is BCC's or the kernel's."""
+
+
+class MapMemoryError(Exception):
+    """The kernel refused a BPF map's memory: under a memory cgroup's limit, the
+    maps' kernel memory is charged on top of what the compile holds."""
+
+    def __str__(self) -> str:
+        return ("the kernel refused memory for the BPF maps (Cannot allocate memory): the memory cgroup's "
+                "limit is too small for the maps' kernel memory on top of the compile's peak; raise the "
+                "container's memory limit (BENCHMARKS.md, 'Memory cgroup charge')")
+
+
+@dataclass
+class Built:
+    """What the child handed over. The fds are this process's own now."""
+
+    maps: dict[str, int]                       # map name -> fd
+    types: dict[str, tuple[str, str]]          # map name -> BCC's key and value type descriptions (JSON)
+    programs: dict[str, int]                   # tracepoint -> program fd
+    attachments: list[int]                     # closing these detaches the programs
+    peak_bytes: int | None = None              # the child's VmHWM: the compile's resident peak
+
+    def close(self) -> None:
+        for fd in [*self.attachments, *self.programs.values(), *self.maps.values()]:
+            try:
+                os.close(fd)
+            except OSError as e:
+                if e.errno != errno.EBADF:
+                    raise
+        self.attachments, self.programs, self.maps = [], {}, {}
+
+
+class PendingBuild:
+    """The child at work; result() takes what it hands over, cancel() stops it.
+    The agent does the rest of its start-up meanwhile."""
+
+    def __init__(self, src: Path, cflags: list[str], mode: str, trace_ids: dict[str, int]) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # This process's own agent package first, not one the working directory may hold.
+        root = str(Path(agent.__file__).resolve().parent.parent)
+        code = f"import sys; sys.path.insert(0, {root!r}); from agent.probe.build import main; main(sys.argv[1:])"
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())],
+                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except BaseException:
+            self._sock.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock.sendall(json.dumps({"src": str(src), "cflags": cflags, "mode": mode,
+                                       "trace_ids": trace_ids}).encode())
+
+    def cancel(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._sock.close()
+
+    def result(self, timeout: float = BUILD_TIMEOUT_S) -> Built:
+        """What the child handed over. Raises MapMemoryError,
+        tracing.TracingError (the kernel refused the BTF-typed programs) or
+        BuildError, each with the child's reason."""
+        from agent.probe.tracing import TracingError  # noqa: PLC0415  (no bcc: only the error class)
+
+        try:
+            self._sock.settimeout(timeout)
+            try:
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, MAX_FDS)
+            except ConnectionResetError:  # it exited without a word
+                data, fds = b"", []
+        except socket.timeout:
+            self.cancel()
+            raise BuildError(f"the BPF build process gave no answer in {timeout:.0f} s") from None
+        except BaseException:
+            self.cancel()
+            raise
+        status = self._proc.wait()
+        self._sock.close()
+        if not data:
+            raise BuildError(f"the BPF build process exited with status {status} before handing over the programs")
+        reply = json.loads(data)
+        if "error" in reply:
+            for fd in fds:
+                os.close(fd)
+            if reply["kind"] == "enomem":
+                raise MapMemoryError()
+            if reply["kind"] == "tracing":
+                raise TracingError(reply["error"])
+            raise BuildError(reply["error"])
+        return Built(maps={k: fds[i] for k, i in reply["maps"].items()},
+                     types={k: tuple(v) for k, v in reply["types"].items()},
+                     programs={k: fds[i] for k, i in reply["programs"].items()},
+                     attachments=[fds[i] for i in reply["attachments"]], peak_bytes=reply["peak_bytes"])
+
+
+def _bcc_maps(bpf) -> tuple[dict[str, int], dict[str, tuple[str, str]]]:
+    """Every map of the compiled module: name -> fd, and BCC's key/value type descriptions."""
+    lib = __import__("bcc").libbcc.lib
+    for fn, restype in (("bpf_num_tables", ct.c_ulonglong), ("bpf_table_name", ct.c_char_p),
+                        ("bpf_table_fd_id", ct.c_int), ("bpf_table_key_desc_id", ct.c_char_p),
+                        ("bpf_table_leaf_desc_id", ct.c_char_p)):
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = [ct.c_void_p] if fn == "bpf_num_tables" else [ct.c_void_p, ct.c_ulonglong]
+    fds, types = {}, {}
+    for i in range(lib.bpf_num_tables(bpf.module)):
+        name = lib.bpf_table_name(bpf.module, i).decode()
+        fds[name] = lib.bpf_table_fd_id(bpf.module, i)
+        types[name] = ((lib.bpf_table_key_desc_id(bpf.module, i) or b"").decode(),
+                       (lib.bpf_table_leaf_desc_id(bpf.module, i) or b"").decode())
+    return fds, types
+
+
+def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
+    from bcc import BPF  # noqa: PLC0415  (only this process maps the compiler)
+
+    from agent.probe.tracing import TracingPrograms  # noqa: PLC0415
+
+    try:
+        bpf = BPF(src_file=request["src"].encode(), cflags=request["cflags"])
+    except Exception:
+        # libbcc's errno when it gave up (ctypes keeps it): ENOMEM is a map
+        # the kernel could not charge, BCC's message says "failed to compile".
+        if ct.get_errno() == errno.ENOMEM:
+            return {"error": "ENOMEM", "kind": "enomem"}, []
+        raise
+    maps, types = _bcc_maps(bpf)
+    programs = {name.decode().rsplit("__", 1)[-1]: fn.fd for name, fn in bpf.funcs.items()}
+    attachments = [*bpf.tracepoint_fds.values(), *bpf.raw_tracepoint_fds.values()]
+    if request["mode"] == "btf":
+        tracing = TracingPrograms(bpf, request["trace_ids"])
+        tracing.attach()
+        programs.update(tracing.prog_fds)
+        attachments += tracing.link_fds
+    fds: list[int] = []
+
+    def index(fd: int) -> int:
+        fds.append(fd)
+        return len(fds) - 1
+
+    reply = {"maps": {k: index(fd) for k, fd in maps.items()}, "types": types,
+             "programs": {k: index(fd) for k, fd in programs.items()},
+             "attachments": [index(fd) for fd in attachments], "peak_bytes": resident_peak()}
+    return reply, fds
+
+
+def main(argv: list[str]) -> int:
+    """The child: one request in, one reply (with the fds) out, then exit
+    without BCC's clean-up."""
+    sock = socket.socket(fileno=int(argv[0]))
+    status = 0
+    try:
+        request = json.loads(sock.recv(MAX_MESSAGE))
+        try:
+            reply, fds = _compile_and_attach(request)
+        except Exception as e:  # noqa: BLE001  (BCC raises bare Exception; the message goes to the agent)
+            from agent.probe.tracing import TracingError  # noqa: PLC0415
+
+            reply, fds = {"error": str(e).strip() or type(e).__name__,
+                          "kind": "tracing" if isinstance(e, TracingError) else "other"}, []
+        socket.send_fds(sock, [json.dumps(reply).encode()], fds)
+    except BaseException as e:  # noqa: BLE001  (the agent sees the exit status and this line)
+        print(f"slatrace BPF build: {e}", file=sys.stderr)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
