@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes as ct
 import errno
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import agent
-from agent.probe.footprint import resident_peak
+from agent.probe.footprint import compiler_files, drop_page_cache, resident_peak
+
+log = logging.getLogger(__name__)
 
 BUILD_TIMEOUT_S = 300.0   # the compile takes ~1 s here, minutes under an emulator
 MAX_MESSAGE = 1 << 20
@@ -116,6 +119,13 @@ class PendingBuild:
             raise
         status = self._proc.wait()
         self._sock.close()
+        if data:
+            # The compiler's files were read into the page cache for this one
+            # compile and nobody maps them now: dropped, or they would stay
+            # charged to the agent's memory cgroup (~140 MiB: BENCHMARKS.md).
+            _, error = drop_page_cache(json.loads(data).get("compiler_files", []))
+            if error:
+                log.warning("the compiler's page cache stays charged to this process's memory cgroup: %s", error)
         if not data:
             raise BuildError(f"the BPF build process exited with status {status} before handing over the programs")
         reply = json.loads(data)
@@ -179,7 +189,8 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
 
     reply = {"maps": {k: index(fd) for k, fd in maps.items()}, "types": types,
              "programs": {k: index(fd) for k, fd in programs.items()},
-             "attachments": [index(fd) for fd in attachments], "peak_bytes": resident_peak()}
+             "attachments": [index(fd) for fd in attachments], "peak_bytes": resident_peak(),
+             "compiler_files": compiler_files(Path("/proc/self/maps").read_text())}
     return reply, fds
 
 
