@@ -186,3 +186,37 @@ def modes(results: dict[str, dict[str, Any]], path: Path) -> Path:
 
 def _ns(v: float | None) -> float:
     return float("nan") if v is None else v
+
+
+def fleet(doc: dict[str, Any], path: Path) -> Path:
+    """fleet.png: Prometheus's cost and the CLI's time against the number of
+    nodes, measured points and the straight line to the extrapolated fleet."""
+    plt = _pyplot()
+    pts = sorted(doc["points"], key=lambda p: p["nodes"])
+    ext = doc["extrapolated"]
+    n = [p["nodes"] for p in pts]
+    panels = [
+        ("Prometheus RSS, GiB", [p["rss_bytes"] / 2**30 for p in pts],
+         None if ext.get("rss_bytes") is None else ext["rss_bytes"] / 2**30),
+        ("samples appended / s (thousands)", [p["samples_per_s"] / 1e3 for p in pts],
+         None if ext.get("samples_per_s") is None else ext["samples_per_s"] / 1e3),
+        ("rule evaluation, s (all groups)", [p["rule_eval_all_s"]["median"] for p in pts], ext.get("rule_eval_all_s")),
+        ("slatrace attribution --prometheus, s", [p["cli_all_s"]["median"] for p in pts], ext.get("cli_all_s")),
+    ]
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7.5))
+    for a, (label, ys, far) in zip([x for row in ax for x in row], panels):
+        a.plot(n, ys, "o-", label="measured")
+        if far is not None:
+            a.plot([n[-1], ext["nodes"]], [ys[-1], far], "s:", color="grey", label="extrapolated")
+        a.set_xscale("log")
+        a.set_xlabel("nodes")
+        a.set_ylabel(label)
+        a.legend(fontsize=8)
+    ax[1][1].axhline(2.0, color="red", lw=0.8, ls=":", label="target 2 s")
+    fig.suptitle(f"The fleet scene: {doc['settings']['services_per_node']} services a node, scraped every "
+                 f"{doc['settings']['scrape_s']} s")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

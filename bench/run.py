@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import bpfstats, mapmem, plots, report, resample, scale, toggle, workloads
+from bench import bpfstats, fleet, mapmem, plots, report, resample, scale, toggle, workloads
 from bench.bpfstats import BpfStatsSwitch, Counter
 from bench.tools import RUNQLAT, Floor, Runqlat, Slatrace, Tool
 from tests.support.scale import compile_worker
@@ -68,7 +68,7 @@ RSS_LIMIT = 64 << 20
 # The pinned layout: the pipe on one CPU, the tools' processes on another.
 PIPE_CPU, TOOL_CPU = 1, 0
 REQUIRED = ("hackbench", "perf", "bpftool", RUNQLAT)
-SECTIONS = ("cost", "scale")
+SECTIONS = ("cost", "scale", "fleet")
 PLOTS_DIR = ROOT / "docs" / "bench"
 
 
@@ -117,7 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help=f"don't pin perf bench sched pipe to CPU {PIPE_CPU} and the tools to CPU {TOOL_CPU}")
     p.add_argument("--sections", default=",".join(SECTIONS),
-                   help="comma-separated: cost (against runqlat), scale (many services, churn); default all")
+                   help="comma-separated: cost (against runqlat), scale (many services, churn), fleet (a real "
+                        "Prometheus scraping many nodes); default all")
     p.add_argument("--scale-services", default=None, metavar="N,N,...",
                    help="service counts of the scale section (default 10,100,1000, --quick 10,100)")
     p.add_argument("--scale-seconds", type=float, default=None,
@@ -126,6 +127,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="how long the churn creates cgroups, 0 to skip it (default 60, --quick 15)")
     p.add_argument("--scale-load", type=float, default=0.6, metavar="CPUS",
                    help="CPUs the scale workload asks for in total (default %(default)s)")
+    p.add_argument("--fleet-nodes", default=None, metavar="N,N,...",
+                   help="node counts of the fleet section (default 100,300,1000, --quick 20,50)")
+    p.add_argument("--fleet-services", type=int, default=20, metavar="N",
+                   help="services per node in the fleet section (default %(default)s)")
+    p.add_argument("--fleet-warm", type=float, default=None, metavar="SECONDS",
+                   help="seconds before the fleet figures are read (default 330: the rules' 5 m windows full; "
+                        "--quick 60)")
     args = p.parse_args(argv)
     args.rounds = args.rounds if args.rounds is not None else (2 if args.quick else 5)
     args.hackbench_loops = args.hackbench_loops or (400 if args.quick else 1000)
@@ -155,6 +163,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--scale-services: expected whole numbers separated by commas, e.g. 10,100,1000")
     if any(n < 1 or n > 5000 for n in args.scale_services):
         p.error("--scale-services: each count must be between 1 and 5000")
+    try:
+        args.fleet_nodes = [int(x) for x in (args.fleet_nodes or ("20,50" if args.quick else "100,300,1000"))
+                            .split(",") if x]
+    except ValueError:
+        p.error("--fleet-nodes: expected whole numbers separated by commas, e.g. 100,300,1000")
+    if any(n < 1 or n > 5000 for n in args.fleet_nodes) or not 1 <= args.fleet_services <= 65:
+        p.error("--fleet-nodes: each count between 1 and 5000; --fleet-services between 1 and 65")
+    args.fleet_warm = args.fleet_warm if args.fleet_warm is not None else (60.0 if args.quick else fleet.WARM_S)
     args.scale_seconds = args.scale_seconds if args.scale_seconds is not None else (10.0 if args.quick else 30.0)
     args.churn_seconds = args.churn_seconds if args.churn_seconds is not None else (15.0 if args.quick else 60.0)
     if args.scale_seconds <= 0 or args.churn_seconds < 0 or args.scale_load <= 0:
@@ -163,15 +179,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def preflight(sections: list[str]) -> None:
-    if os.geteuid() != 0:
+    kernel = {"cost", "scale"} & set(sections)
+    if kernel and os.geteuid() != 0:
         raise SystemExit("bench: run as root (loading BPF and kernel.bpf_stats_enabled need it): sudo make bench")
-    required = REQUIRED if "cost" in sections else ("bpftool",)
-    required += ("cc",)
+    required = REQUIRED if "cost" in sections else ("bpftool",) if kernel else ()
+    required += ("cc",) if kernel else ()
+    required += ("prometheus",) if "fleet" in sections else ()
     missing = [t for t in required if shutil.which(t) is None]
     if missing:
         raise SystemExit(f"bench: {', '.join(missing)} not found: run 'make setup-test' (installs rt-tests, "
-                         "linux-perf, bpftool, bpfcc-tools, gcc)")
-    if not bpfstats.BPF_STATS.exists():
+                         "linux-perf, bpftool, bpfcc-tools, gcc, prometheus)")
+    if kernel and not bpfstats.BPF_STATS.exists():
         raise SystemExit(f"bench: {bpfstats.BPF_STATS} is missing: this kernel cannot report BPF program costs")
 
 
@@ -543,6 +561,9 @@ def run(args: argparse.Namespace, argv: list[str], progress: Progress) -> dict[s
         res.update(run_cost(args, res["machine"]["possible_cpus"], progress))
     if "scale" in args.sections:
         res["scale"] = run_scale(args, progress)
+    if "fleet" in args.sections:
+        res["fleet"] = fleet.run(args.fleet_nodes, args.fleet_services, progress, warm_s=args.fleet_warm)
+        progress("fleet section done; no Prometheus or node server left")
     res["elapsed_s"] = progress.elapsed()
     return res
 
@@ -663,11 +684,18 @@ def main(argv: list[str] | None = None) -> int:
         print(md)
         if args.write_md:
             report.update_markdown(ROOT / "BENCHMARKS.md", md, report.SCALE_BEGIN, report.SCALE_END, "Scale results")
+    if "fleet" in args.sections:
+        image = plots.fleet(res["fleet"], plot_dir / "fleet.png")
+        md = fleet.render(res, image.relative_to(ROOT).as_posix())
+        print(md)
+        if args.write_md:
+            report.update_markdown(ROOT / "BENCHMARKS.md", md, fleet.FLEET_BEGIN, fleet.FLEET_END,
+                                   "Fleet results")
     print(f"raw results: {path.relative_to(ROOT)}")
     if args.write_md:
         print("BENCHMARKS.md updated")
     missed = [t["name"] for t in res.get("targets", []) + res.get("scale", {}).get("targets", [])
-              if t["pass"] is False]
+              + res.get("fleet", {}).get("targets", []) if t["pass"] is False]
     if missed:
         print("targets missed: " + "; ".join(missed))
     return 1 if missed and args.check_targets else 0

@@ -1,0 +1,247 @@
+"""The fleet section of `make bench` (`--sections fleet`): what N nodes cost the
+Prometheus that scrapes them, and how long the fleet answers take.
+
+For each N (default 100, 300, 1,000 nodes) the fleet scene of the tests
+(tests/support/fleet.py, ≥20 services a node, each node's exposition written
+by the agent's own exporter from a node state of its own) is served from one
+process, and Debian's Prometheus scrapes every node every 15 s and evaluates
+the shipped rule file (deploy/rules/slatrace.rules.yaml) every 15 s, both
+under nice 10. Once the rules' 5 m windows are full, Prometheus's own metrics
+are read for a minute: head series, samples appended per second, resident
+memory, CPU, each rule group's evaluation time; then `slatrace attribution
+--prometheus` is timed over 5 minutes of the fleet (all services, and one).
+Series per node at 20, 100 and 1,000 services come from the exporter alone
+(bench/export_budget.py). The figures for 10,000 nodes are extrapolated
+linearly from the largest two points (the assumptions are printed with them).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import export_budget
+from tests.support.agent import REPO, SLATRACE, http_get
+from tests.support.fleet import FleetSpec
+from tests.support.fleet_server import prometheus_targets, running_fleet
+from tests.support.prometheus import RULES, running_prometheus
+
+NODES = (100, 300, 1000)
+SCRAPE_S = 15
+WARM_S = 5 * 60 + 2 * SCRAPE_S     # the rules' 5 m windows full, plus two scrapes
+MEASURE_S = 60
+SERVICES_PER_NODE = (20, 100, 1000)
+EXTRAPOLATE_TO = 10_000
+CLI_SINCE = 300
+CLI_TARGET_S = 2.0
+FLEET_GROUP = "slatrace.fleet"
+
+
+def prometheus_figures(url: str) -> dict[str, Any]:
+    """Prometheus's own metrics, the ones this section reports."""
+    status, body = http_get(url + "/metrics", timeout=30.0)
+    assert status == 200, status
+    out: dict[str, Any] = {"groups": {}}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            if s.name == "process_resident_memory_bytes":
+                out["rss"] = s.value
+            elif s.name == "process_cpu_seconds_total":
+                out["cpu_s"] = s.value
+            elif s.name == "prometheus_tsdb_head_series":
+                out["series"] = s.value
+            elif s.name == "prometheus_tsdb_head_samples_appended_total":
+                out["appended"] = out.get("appended", 0.0) + s.value
+            elif s.name == "prometheus_rule_group_last_duration_seconds":
+                out["groups"][s.labels["rule_group"].rpartition(";")[2]] = s.value
+            elif s.name == "go_memstats_heap_inuse_bytes":
+                out["heap"] = s.value
+    return out
+
+
+def rule_reads(url: str) -> dict[str, dict[str, float]]:
+    """Per rule group, the samples one evaluation round reads and the time the
+    query engine spends on it (each rule's expression run with stats=all):
+    the samples do not depend on how loaded the machine is, the time does."""
+    out: dict[str, dict[str, float]] = {}
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        total = out.setdefault(group["name"], {"samples": 0.0, "eval_s": 0.0})
+        for rule in group["rules"]:
+            query = urllib.parse.urlencode({"query": rule["expr"], "stats": "all"})
+            status, body = http_get(f"{url}/api/v1/query?{query}", timeout=120.0)
+            stats = json.loads(body)["data"]["stats"] if status == 200 else None
+            if stats:
+                total["samples"] += stats["samples"]["totalQueryableSamples"]
+                total["eval_s"] += stats["timings"]["evalTotalTime"]
+    return out
+
+
+def time_cli(url: str, *service: str) -> float:
+    start = time.monotonic()
+    r = subprocess.run(SLATRACE + ["attribution", *service, "--prometheus", url, "--since", str(CLI_SINCE), "--json"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    if r.returncode != 0:
+        raise RuntimeError(f"slatrace attribution --prometheus failed: {r.stderr.strip()}")
+    return took
+
+
+def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s: float = WARM_S,
+              measure_s: float = MEASURE_S) -> dict[str, Any]:
+    spec = FleetSpec(nodes=nodes, services_per_node=services)
+    tmp = Path(tempfile.mkdtemp(prefix="slatrace-bench-fleet-"))
+    progress(f"fleet: {nodes} nodes x {services} services, scraped every {SCRAPE_S} s")
+    with running_fleet(spec, nice=10) as fleet:
+        scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(spec, fleet.address)}]
+        with running_prometheus(tmp, scrape_configs=scrape, interval=f"{SCRAPE_S}s", rule_files=(RULES,),
+                                nice=10, timeout=120) as prom:
+            time.sleep(warm_s)
+            first, t0 = prometheus_figures(prom.url), time.monotonic()
+            samples = [first]
+            while time.monotonic() - t0 < measure_s:
+                time.sleep(SCRAPE_S)
+                samples.append(prometheus_figures(prom.url))
+            last, elapsed = samples[-1], time.monotonic() - t0
+            up = prom.query('count(up{job="slatrace"} == 1)')
+            failed = prom.query(f'sum(count_over_time(up{{job="slatrace"}}[{int(warm_s + measure_s)}s]) '
+                                f'- sum_over_time(up{{job="slatrace"}}[{int(warm_s + measure_s)}s]))')
+            scrape_s = prom.query('quantile(0.99, scrape_duration_seconds{job="slatrace"})')
+            reads = rule_reads(prom.url)
+            progress(f"fleet: {nodes} nodes measured; timing slatrace attribution --prometheus")
+            cli_all = [time_cli(prom.url) for _ in range(3)]
+            cli_one = [time_cli(prom.url, "llm/vllm") for _ in range(3)]
+    fleet_eval = [s["groups"].get(FLEET_GROUP, 0.0) for s in samples]
+    all_eval = [sum(s["groups"].values()) for s in samples]
+    return {
+        "nodes": nodes, "services_per_node": services,
+        "nodes_up": int(float(up[0]["value"][1])) if up else 0,
+        "failed_scrapes": int(float(failed[0]["value"][1])) if failed else 0,
+        "scrape_p99_s": float(scrape_s[0]["value"][1]) if scrape_s else None,
+        "head_series": last["series"], "series_per_node": last["series"] / nodes,
+        "samples_per_s": (last["appended"] - first["appended"]) / elapsed,
+        "rss_bytes": statistics.median(s["rss"] for s in samples),
+        "rss_max_bytes": max(s["rss"] for s in samples),
+        "heap_bytes": statistics.median(s["heap"] for s in samples),
+        "cpu_pct": 100 * (last["cpu_s"] - first["cpu_s"]) / elapsed,
+        "rule_eval_fleet_s": {"median": statistics.median(fleet_eval), "max": max(fleet_eval)},
+        "rule_eval_all_s": {"median": statistics.median(all_eval), "max": max(all_eval)},
+        "rule_samples_fleet": reads.get(FLEET_GROUP, {}).get("samples"),
+        "rule_samples_all": sum(g["samples"] for g in reads.values()),
+        "rule_query_s_all": sum(g["eval_s"] for g in reads.values()),
+        "cli_all_s": {"median": statistics.median(cli_all), "values": cli_all},
+        "cli_one_s": {"median": statistics.median(cli_one), "values": cli_one},
+    }
+
+
+def series_budget() -> list[dict[str, Any]]:
+    """Series one node exports at 20, 100 and 1,000 services, budget on and every service bucketed."""
+    out = []
+    for n in SERVICES_PER_NODE:
+        for histograms in ((), ("*",)):
+            r = export_budget.measure(n, histograms)
+            out.append({k: r[k] for k in ("services", "histograms", "series", "bytes", "max_per_service")})
+    return out
+
+
+def extrapolate(points: list[dict[str, Any]], key: Callable[[dict[str, Any]], float],
+                to: int = EXTRAPOLATE_TO) -> float | None:
+    """A least-squares straight line through every point, at `to` nodes; the
+    slope at least zero (a cost does not fall as the fleet grows: a negative
+    slope is the machine's noise)."""
+    if len({p["nodes"] for p in points}) < 2:
+        return None
+    xs, ys = [p["nodes"] for p in points], [key(p) for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    return my + slope * (to - mx)
+
+
+def run(nodes: list[int], services: int, progress: Callable[[str], None], warm_s: float = WARM_S,
+        measure_s: float = MEASURE_S) -> dict[str, Any]:
+    budget = series_budget()
+    points = [run_point(n, services, progress, warm_s, measure_s) for n in nodes]
+    keys = {
+        "head_series": lambda p: p["head_series"],
+        "samples_per_s": lambda p: p["samples_per_s"],
+        "rss_bytes": lambda p: p["rss_bytes"],
+        "rule_eval_fleet_s": lambda p: p["rule_eval_fleet_s"]["median"],
+        "rule_eval_all_s": lambda p: p["rule_eval_all_s"]["median"],
+        "cli_all_s": lambda p: p["cli_all_s"]["median"],
+        "cli_one_s": lambda p: p["cli_one_s"]["median"],
+        "rule_samples_all": lambda p: p["rule_samples_all"],
+        "rule_query_s_all": lambda p: p["rule_query_s_all"],
+    }
+    big = max(points, key=lambda p: p["nodes"])
+    targets = [{"name": f"slatrace attribution --prometheus at {big['nodes']} nodes (all services, {CLI_SINCE} s)",
+                "measured": f"{big['cli_all_s']['median']:.2f} s", "limit": f"≤ {CLI_TARGET_S:.0f} s",
+                "value": big["cli_all_s"]["median"], "pass": big["cli_all_s"]["median"] <= CLI_TARGET_S}]
+    return {"settings": {"scrape_s": SCRAPE_S, "evaluation_s": SCRAPE_S, "warm_s": warm_s, "measure_s": measure_s,
+                         "services_per_node": services, "cli_since_s": CLI_SINCE, "nice": 10},
+            "budget": budget, "points": points,
+            "extrapolated": {"nodes": EXTRAPOLATE_TO, **{k: extrapolate(points, f) for k, f in keys.items()}},
+            "targets": targets}
+
+
+FLEET_BEGIN = ("<!-- BEGIN fleet results: written by `make bench ARGS='--sections fleet'`; "
+               "edits inside are overwritten -->")
+FLEET_END = "<!-- END fleet results -->"
+
+
+def _mib(b: float | None) -> str:
+    return "–" if b is None else f"{b / 2**20:,.0f}"
+
+
+def render(res: dict[str, Any], image: str | None) -> str:
+    doc = res["fleet"]
+    s = doc["settings"]
+    m = res["machine"]
+    out = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}, commit {m['commit']}, with "
+           f"`{m['command']}`. Debian's Prometheus scrapes every node every {s['scrape_s']} s and evaluates "
+           f"the shipped rules every {s['evaluation_s']} s (both under nice {s['nice']}, beside other work on "
+           f"the machine); each point is read over {s['measure_s']:.0f} s once the rules' 5 m windows are "
+           f"full ({s['warm_s']:.0f} s after the start). {s['services_per_node']} services a node, about 40% "
+           "of them with buckets (an SLO or a `histograms` entry).", ""]
+    out += ["| nodes | head series | series / node | samples / s | Prometheus RSS MiB | Prometheus CPU % | "
+            "rule groups' evaluation (Prometheus's own, median / max; fleet group) | samples one round of the "
+            "rules reads | the same rounds' query time | CLI, all services | CLI, one service "
+            "| failed scrapes | scrape p99 |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in doc["points"]:
+        out.append(f"| {p['nodes']:,} | {p['head_series']:,.0f} | {p['series_per_node']:,.0f} | "
+                   f"{p['samples_per_s']:,.0f} | {_mib(p['rss_bytes'])} | {p['cpu_pct']:.0f} | "
+                   f"{p['rule_eval_all_s']['median']:.2f} / {p['rule_eval_all_s']['max']:.2f} s; "
+                   f"{p['rule_eval_fleet_s']['median']:.2f} s | {p['rule_samples_all']:,.0f} | "
+                   f"{p['rule_query_s_all']:.2f} s | {p['cli_all_s']['median']:.2f} s | "
+                   f"{p['cli_one_s']['median']:.2f} s | {p['failed_scrapes']} | "
+                   f"{(p['scrape_p99_s'] or 0) * 1e3:.0f} ms |")
+    e = doc["extrapolated"]
+    if e.get("rss_bytes") is not None:
+        out.append(f"| **{e['nodes']:,}** (extrapolated) | {e['head_series']:,.0f} | | {e['samples_per_s']:,.0f} | "
+                   f"{_mib(e['rss_bytes'])} | | {e['rule_eval_all_s']:.1f} s; {e['rule_eval_fleet_s']:.1f} s | "
+                   f"{e['rule_samples_all']:,.0f} | {e['rule_query_s_all']:.1f} s | {e['cli_all_s']:.1f} s | "
+                   f"{e['cli_one_s']:.1f} s | | |")
+    out += ["", "Series one node exports (the exporter alone, bench/export_budget.py):", "",
+            "| services on the node | budget on (buckets only for SLO/rule services: none here) | "
+            "every service with buckets (`histograms: [\"*\"]`) |", "|---:|---:|---:|"]
+    by_n: dict[int, dict[str, int]] = {}
+    for b in doc["budget"]:
+        by_n.setdefault(b["services"], {})[b["histograms"]] = b["series"]
+    for n, v in sorted(by_n.items()):
+        out.append(f"| {n:,} | {v.get('(budget)', 0):,} | {v.get('*', 0):,} |")
+    out.append("")
+    for t in doc["targets"]:
+        verdict = "pass" if t["pass"] else "MISSED"
+        out.append(f"Target: {t['name']}: {t['measured']} ({t['limit']}): **{verdict}**.")
+    if image:
+        out += ["", f"![fleet cost against the number of nodes]({image})"]
+    return "\n".join(out) + "\n"
