@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 
 VARIANTS = {
-    "shipped": "as shipped: heap trimmed and compiler pages paged out after attach, a short first interval",
-    "no-release": "nothing handed back after the compile",
-    "trim-only": "malloc_trim(0) only, compiler pages left resident",
-    "pageout-only": "compiler pages paged out, heap not trimmed",
+    "shipped": "as shipped: heap trimmed and library pages paged out after attach, a short first interval",
+    "no-release": "nothing handed back after start-up",
+    "trim-only": "malloc_trim(0) only, library pages left resident",
+    "pageout-only": "library pages paged out, heap not trimmed",
     "full-first-interval": "ready only after one whole interval (1 s)",
     "before": "all of the above undone, and the OTLP receivers' modules (gRPC) imported even when off",
 }

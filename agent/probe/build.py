@@ -23,6 +23,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -51,6 +52,17 @@ class MapMemoryError(Exception):
         return ("the kernel refused memory for the BPF maps (Cannot allocate memory): the memory cgroup's "
                 "limit is too small for the maps' kernel memory on top of the compile's peak; raise the "
                 "container's memory limit (BENCHMARKS.md, 'Memory cgroup charge')")
+
+
+class BuildKilledError(MapMemoryError):
+    """The build process was killed (SIGKILL) before it answered: under a
+    memory cgroup's limit, the kernel's OOM killer takes the largest process,
+    which during the compile is the build process."""
+
+    def __str__(self) -> str:
+        return ("the BPF build process was killed (SIGKILL) before handing over the programs: under a memory "
+                "limit, the kernel's OOM killer takes the compile first; raise the container's memory limit "
+                "(BENCHMARKS.md, 'Memory cgroup charge')")
 
 
 @dataclass
@@ -127,7 +139,9 @@ class PendingBuild:
             if error:
                 log.warning("the compiler's page cache stays charged to this process's memory cgroup: %s", error)
         if not data:
-            raise BuildError(f"the BPF build process exited with status {status} before handing over the programs")
+            if status == -signal.SIGKILL:
+                raise BuildKilledError()
+            raise BuildError(_no_answer(status))
         reply = json.loads(data)
         if "error" in reply:
             for fd in fds:
@@ -141,6 +155,13 @@ class PendingBuild:
                      types={k: tuple(v) for k, v in reply["types"].items()},
                      programs={k: fds[i] for k, i in reply["programs"].items()},
                      attachments=[fds[i] for i in reply["attachments"]], peak_bytes=reply["peak_bytes"])
+
+
+def _no_answer(status: int) -> str:
+    """Why the child handed nothing over, from its exit status."""
+    if status < 0:
+        return f"the BPF build process was killed by {signal.Signals(-status).name} before handing over the programs"
+    return f"the BPF build process exited with status {status} before handing over the programs"
 
 
 def _bcc_maps(bpf) -> tuple[dict[str, int], dict[str, tuple[str, str]]]:
