@@ -22,8 +22,6 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
 from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,8 +34,8 @@ from tests.support.request_reference import (SpanIndex, clipped_waits, cpu_occup
                                              union_ns, who_ran)
 from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
 from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import (Neighbour, ThreadCensus, scene_config, wait_for_engine, wait_for_requests,
-                                      worker_cpus)
+from tests.support.vllm_scene import (Neighbour, ThreadCensus, interleaved, scene_config, wait_for_engine,
+                                      wait_for_requests, worker_cpus)
 from tests.support.workload import TestCgroup
 
 pytestmark = pytest.mark.e2e
@@ -54,18 +52,6 @@ PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
            "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 REL, ABS = 0.30, 0.020           # the counterfactual's tolerance
 WARM_UP = 3
-
-
-def interleaved(blocks: int, neighbour: Callable[[], Neighbour],
-                send: Callable[[str, int], list[dict]]) -> list[dict]:
-    """The same requests without and with the neighbour, block after block;
-    which comes first alternates, so a drift of the machine's load favours neither."""
-    out: list[dict] = []
-    for block in range(blocks):
-        for mode in (("without", "with") if block % 2 == 0 else ("with", "without")):
-            with neighbour() if mode == "with" else nullcontext():
-                out += send(mode, block)
-    return out
 
 
 def run_sequential(engine: Engine, n: int, mode: str, phase: str) -> list[dict]:

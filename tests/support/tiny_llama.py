@@ -4,7 +4,10 @@ scheduling, not the model's quality, is what the inference tier measures.
 
 Run with the vLLM venv's Python (it needs torch, transformers, tokenizers):
 
-    python tiny_llama.py DIR
+    python tiny_llama.py DIR [HEADS]
+
+HEADS attention heads of 64 dimensions each (1 by default): tensor parallel
+N needs a multiple of N.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def build(out: Path) -> None:
+def build(out: Path, heads: int = 1) -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -38,12 +41,13 @@ def build(out: Path) -> None:
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512,
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64 * heads, intermediate_size=128 * heads,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=512,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                          torch_dtype="float32")
     LlamaForCausalLM(config).save_pretrained(out)
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    build(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1)

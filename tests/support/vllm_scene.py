@@ -14,6 +14,8 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from tests.support.agent import Agent, http_get
@@ -60,6 +62,43 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_titles(cgroup: TestCgroup) -> dict[int, str]:
+    """pid -> the title a process gave itself (vLLM's `VLLM::EngineCore_DP1`,
+    `VLLM::Worker_TP0`): the comm keeps only 15 characters, so the ranks of
+    one layout share a comm, and the full title is in the command line."""
+    out = {}
+    for pid in cgroup.pids():
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        out[pid] = argv[0].decode(errors="replace").strip() if argv else ""
+    return out
+
+
+def process_cpus(pid: int) -> list[int]:
+    """The CPUs a process's main thread may run on (vLLM's CPU build pins a
+    rank's OpenMP threads, the main one among them, with VLLM_CPU_OMP_THREADS_BIND)."""
+    return sorted(os.sched_getaffinity(pid))
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process so far, in ns, from the
+    scheduler's own accounting (each thread's schedstat; 0 once it is gone):
+    exact where /proc/PID/stat counts in clock ticks."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
 
 
 def worker_cpus(cgroup: TestCgroup) -> list[int]:
@@ -128,6 +167,18 @@ class Neighbour:
             p.kill()
             p.wait(10)
         time.sleep(0.2)
+
+
+def interleaved(blocks: int, neighbour: Callable[[], Neighbour],
+                send: Callable[[str, int], list[dict]]) -> list[dict]:
+    """The same requests without and with the neighbour, block after block;
+    which comes first alternates, so a drift of the machine's load favours neither."""
+    out: list[dict] = []
+    for block in range(blocks):
+        for mode in (("without", "with") if block % 2 == 0 else ("with", "without")):
+            with neighbour() if mode == "with" else nullcontext():
+                out += send(mode, block)
+    return out
 
 
 def wait_for_requests(agent: Agent, service: str, wanted: set[str], timeout: float = 60.0) -> dict[str, dict]:
