@@ -7,8 +7,10 @@ wake-ups the programs miss (tests/support/missed_wakeups.py), which reads
 kernel structs at this kernel's BTF offsets; then, on BTF-typed and raw
 tracepoints, a service throttled by its own CPU limit, alone on a CPU and
 beside a heavier neighbour (tests/support/cpu_limit.py), whose limit part the
-programs read from this kernel's throttle bookkeeping. Writes everything
-measured as JSON; the test on the host judges it (tests/qemu/test_kernels.py).
+programs read from this kernel's throttle bookkeeping; then two threads
+spinning on one CPU, whose waits the programs stream merged
+(tests/support/merged.py). Writes everything measured as JSON; the test on
+the host judges it (tests/qemu/test_kernels.py).
 
 usage: python -m tests.qemu.scene OUT.json [SECONDS]
 """
@@ -24,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from tests.support import cpu_limit, missed_wakeups
+from tests.support import cpu_limit, merged, missed_wakeups
 from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.tracefs import TraceRecorder, percentile, reference
 from tests.support.workload import (TestCgroup, held_for_go, hog_argv, victim_argv, wait_blocked_in,
@@ -182,6 +184,21 @@ def cpu_limit_scenes(modes: list[str]) -> dict:
     return out
 
 
+def spinning_scene() -> dict:
+    """The spinning threads under the mode `auto` takes, the stream not rate-limited."""
+    from agent.probe import features
+    from agent.probe.loader import MapSizes, Probe
+
+    probe = Probe.load(features.detect(), MapSizes(event_rate=10_000_000))
+    try:
+        # A guest has 2 GiB: a smaller trace buffer than the host's.
+        return merged.measure(probe, seconds=1.0, cpu=SHARED_CPU, buffer_kb=65536)
+    except Exception:  # noqa: BLE001  (recorded for the host to judge)
+        return {"error": traceback.format_exc()[-3000:]}
+    finally:
+        probe.close()
+
+
 def _everything_of(agent: Agent, service: str) -> dict:
     """The agent's run-queue count and wait total of a service over all it holds."""
     records = agent.get_json(f"/api/v1/attribution?service={service}&since=86400")["attribution"]
@@ -228,6 +245,7 @@ def main(argv: list[str]) -> int:
         if "raw" in doc["modes"]:
             doc["recovery"] = missed_wakeups.measure()
         doc["cpu_limit"] = cpu_limit_scenes(doc["modes"])
+        doc["spinning"] = spinning_scene()
     except Exception:  # noqa: BLE001  (the host reports it)
         doc["error"] = traceback.format_exc()[-4000:]
     doc["seconds"] = time.monotonic() - t0

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import kernel_unavailable, require_kernel
-from tests.support import cpu_limit, missed_wakeups, qemu
+from tests.support import cpu_limit, merged, missed_wakeups, qemu
 from tests.support.agent import REPO
 
 pytestmark = pytest.mark.kernel
@@ -135,6 +135,8 @@ def summary(name: str, doc: dict) -> str:
         lines.append("  " + missed_wakeups.summary(doc["recovery"]))
     for row in doc.get("cpu_limit", {}).get("rows", []):
         lines.append("  " + cpu_limit.summary(row, emulated=name != "host"))
+    if "spinning" in doc:
+        lines.append("  " + merged.summary(doc["spinning"]))
     return "\n".join(lines)
 
 
@@ -206,6 +208,15 @@ def judge_mode(name: str, row: dict) -> None:
     assert row["readyz"]["status"] == 200 or (skipped and "the kernel skipped" in row["readyz"]["body"]), \
         f"{where}: {row['readyz']}"
     assert row["stop_exit"] == 0, f"{where}: {row['log_tail']}"
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_a_spinning_loops_waits_merge(matrix: dict[str, dict], name: str) -> None:
+    """Each kernel's verifier takes the merging of short preempted waits, and
+    the records hold the waits the guest's tracefs saw inside them."""
+    doc = matrix[name]
+    assert "error" not in doc, doc["error"]
+    merged.judge(doc["spinning"], name, emulated=name != "host")
 
 
 @pytest.mark.parametrize("name", ROWS)
