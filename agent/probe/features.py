@@ -190,13 +190,36 @@ def syscall(name: str, *args) -> int:
 
 
 def try_bpf_map() -> int:
-    """Create (and close) a one-slot BPF array map: 0, or the errno that refused it."""
+    """Create (and close) a one-slot BPF array map: 0, or the errno that refused it.
+
+    Before 5.11 the kernel charges map memory to the user's locked memory
+    against RLIMIT_MEMLOCK and answers EPERM past it: the programs' maps
+    (tens of MiB, charged to root whichever process made them) are past the
+    default limit, so a refusal is retried once with the limit lifted, as
+    BCC and libbpf do (CAP_SYS_RESOURCE, which the agent holds, allows it)."""
     attr = (ctypes.c_uint32 * 32)(BPF_MAP_TYPE_ARRAY, 4, 4, 1)  # type, key size, value size, entries
-    fd = syscall("bpf", ctypes.c_int(BPF_MAP_CREATE), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
-    if fd < 0:
-        return -fd
-    os.close(fd)
-    return 0
+    for attempt in range(2):
+        fd = syscall("bpf", ctypes.c_int(BPF_MAP_CREATE), ctypes.byref(attr), ctypes.c_uint(ctypes.sizeof(attr)))
+        if fd >= 0:
+            os.close(fd)
+            return 0
+        if -fd != errno.EPERM or attempt or not lift_memlock_limit():
+            return -fd
+    return errno.EPERM
+
+
+def lift_memlock_limit() -> bool:
+    """RLIMIT_MEMLOCK raised to unlimited; False if it was already, or may not be."""
+    import resource  # noqa: PLC0415  (only where a map was refused)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == hard == resource.RLIM_INFINITY:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def try_tracepoint_event(tracefs: Path, event: str = "sched/sched_switch") -> int:
