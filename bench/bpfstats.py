@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.probe.bpfsys import possible_cpus
 from bench.mapmem import MapInfo
 
 BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
@@ -263,17 +264,6 @@ def keys_naming(keys: list[bytes], ids: set[int]) -> int:
 
 
 BPF_MAP_LOOKUP_ELEM = 1
-
-
-def possible_cpus(text: str | None = None) -> int:
-    """How many CPUs the kernel may bring up (/sys/devices/system/cpu/possible,
-    e.g. `0-1`, `0,2-3`): the number of values a per-CPU map holds per key."""
-    text = text if text is not None else Path("/sys/devices/system/cpu/possible").read_text()
-    n = 0
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        n += int(hi or lo) - int(lo) + 1
-    return n
 
 
 class PercpuArray:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from bench import workloads
-from bench.bpfstats import possible_cpus
 from bench.run import judge, ratio_interval
 from tests.support.scale import compile_worker
 
@@ -130,9 +129,3 @@ def test_the_rounds_give_each_tools_slowdown_over_the_floors() -> None:
     old = total_cost([r for r in records if r["config"] != "floor"], (w,))
     assert "floor" not in old[w.name]["wall"]["added_ns_per_switch"] and not old[w.name]["wall"]["floor_ratio"]
     assert "floor" not in total_cost_table({"total_cost": old, "alone": {"summary": {}}})[0]
-
-
-def test_possible_cpus_reads_ranges_and_lists() -> None:
-    assert possible_cpus("0-1\n") == 2
-    assert possible_cpus("0\n") == 1
-    assert possible_cpus("0,2-3,8-15\n") == 11
