@@ -17,6 +17,7 @@ import math
 import time
 import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from agent.attribution.blame import blame_from_totals
 from agent.attribution.verdict import verdict
@@ -24,6 +25,11 @@ from agent.cli.client import FetchError, fetch_json
 from agent.errors import SlatraceError
 
 __all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution"]
+
+QUANTILES = (0.5, 0.95, 0.99)
+# Queries in flight at once: more than a small Prometheus has cores only makes
+# each one slower (and nearer the timeout).
+PARALLEL_QUERIES = 4
 
 
 class PrometheusError(SlatraceError):
@@ -77,37 +83,50 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
     sel_inner = f', service="{service}"' if service else ""
     sel = f'{{service="{service}"}}' if service else ""
 
-    def inc(metric: str, by: str = "service") -> list[tuple[dict[str, str], float]]:
-        return prom.vector(f"sum by ({by}) (increase({metric}{sel}{rng}))", at)
+    # Every query is independent: a few run at once (Prometheus evaluates them in
+    # parallel), which at a thousand nodes is most of the answer's time.
+    queries: dict[str, str] = {}
 
-    def quantile(metric: str, q: float) -> dict[str, float]:
+    def inc(key: str, metric: str, by: str = "service") -> None:
+        queries[key] = f"sum by ({by}) (increase({metric}{sel}{rng}))"
+
+    def quantile(key: str, metric: str, q: float) -> None:
         # A histogram with the +Inf bucket only answers NaN, which vector() drops.
-        return _by_service(prom.vector(
-            f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))", at))
+        queries[key] = f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))"
 
-    def runq_quantile(q: float) -> dict[str, float]:
-        gauge = _by_service(prom.vector(
-            f'max by (service) (slatrace_runq_latency_quantile_seconds{{quantile="{q}"{sel_inner}}})', at))
-        return gauge | quantile("slatrace_runq_latency_seconds", q)
+    inc("count", "slatrace_runq_latency_seconds_count")
+    inc("wait", "slatrace_runq_latency_seconds_sum")
+    for q in QUANTILES:
+        queries[f"gauge{q}"] = f'max by (service) (slatrace_runq_latency_quantile_seconds{{quantile="{q}"{sel_inner}}})'
+        quantile(f"buckets{q}", "slatrace_runq_latency_seconds", q)
+    inc("io_count", "slatrace_iowait_seconds_count")
+    inc("io_sum", "slatrace_iowait_seconds_sum")
+    quantile("io_p99", "slatrace_iowait_seconds", 0.99)
+    inc("migrations", "slatrace_migrations_total")
+    inc("throttled", "slatrace_cpu_throttled_seconds_total")
+    inc("pre_count", "slatrace_preemptions_total", "service, by_service")
+    inc("pre_wait", "slatrace_preempted_wait_seconds_total", "service, by_service")
+    queries["targets"] = f"max by (service, slo) (slatrace_slo_target_seconds{sel})"
+    inc("breaches", "slatrace_slo_breaches_total", "service, slo")
+    with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
+        answers = dict(zip(queries, pool.map(lambda expr: prom.vector(expr, at), queries.values())))
 
-    count = _by_service(inc("slatrace_runq_latency_seconds_count"))
-    wait = _by_service(inc("slatrace_runq_latency_seconds_sum"))
-    qs = {q: runq_quantile(q) for q in (0.5, 0.95, 0.99)}
-    io_count = _by_service(inc("slatrace_iowait_seconds_count"))
-    io_sum = _by_service(inc("slatrace_iowait_seconds_sum"))
-    io_p99 = quantile("slatrace_iowait_seconds", 0.99)
-    migrations = _by_service(inc("slatrace_migrations_total"))
-    throttled = _by_service(inc("slatrace_cpu_throttled_seconds_total"))
+    count = _by_service(answers["count"])
+    wait = _by_service(answers["wait"])
+    # The agent's own quantiles where a service has no buckets.
+    qs = {q: _by_service(answers[f"gauge{q}"]) | _by_service(answers[f"buckets{q}"]) for q in QUANTILES}
+    io_count = _by_service(answers["io_count"])
+    io_sum = _by_service(answers["io_sum"])
+    io_p99 = _by_service(answers["io_p99"])
+    migrations = _by_service(answers["migrations"])
+    throttled = _by_service(answers["throttled"])
     pre_count: dict[str, dict[str, float]] = {}
     pre_wait: dict[str, dict[str, float]] = {}
-    for target, metric in ((pre_count, "slatrace_preemptions_total"),
-                           (pre_wait, "slatrace_preempted_wait_seconds_total")):
-        for labels, v in inc(metric, "service, by_service"):
+    for target, key in ((pre_count, "pre_count"), (pre_wait, "pre_wait")):
+        for labels, v in answers[key]:
             target.setdefault(labels.get("service", ""), {})[labels.get("by_service", "")] = v
-    targets = {(labels.get("service", ""), labels.get("slo", "")): v
-               for labels, v in prom.vector(f"max by (service, slo) (slatrace_slo_target_seconds{sel})", at)}
-    breaches = {(labels.get("service", ""), labels.get("slo", "")): v
-                for labels, v in inc("slatrace_slo_breaches_total", "service, slo")}
+    targets = {(labels.get("service", ""), labels.get("slo", "")): v for labels, v in answers["targets"]}
+    breaches = {(labels.get("service", ""), labels.get("slo", "")): v for labels, v in answers["breaches"]}
 
     records = []
     for name in sorted(set(count) | set(io_count)):
