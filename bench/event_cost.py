@@ -82,7 +82,8 @@ def measure(seconds: float, victims: int, spinners: int = 0, event_rate: int = 1
             made = sum(b.count for b in probe.snapshot().hists.get((watched.id, 0), {}).values())
     finally:
         probe.close()
-    return {"events": events, "waits": waits, "kernel_waits": made, "drains": drains, "seconds": seconds, "cpu_s": cpu, "dropped": lost,
+    return {"events": events, "waits": waits, "kernel_waits": made, "drains": drains, "seconds": seconds,
+            "cpu_s": cpu, "dropped": lost,
             "us_per_event": cpu * 1e6 / max(events, 1), "us_per_wait": cpu * 1e6 / max(waits, 1),
             "core_pct": 100 * cpu / seconds}
 
