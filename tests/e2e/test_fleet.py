@@ -56,25 +56,25 @@ from tests.support.prometheus import RULES, Prometheus, dashboard_targets, runni
 pytestmark = pytest.mark.e2e
 
 SPEC = FleetSpec(nodes=50)
-# Every 5 s: the server renders each node at each scrape, and under nice 10
-# beside other tests' CPU hogs a shorter interval made some scrapes time out.
-SCRAPE_S = 5
+# Every 10 s: the server renders each node at each scrape, and under nice 10
+# beside other tests' CPU hogs shorter intervals (and timeouts) made scrapes fail.
+SCRAPE_S = 10
 # The CLI's window. The scene lasts 90 s, less than the rules' 5 m, and rate()
 # divides a partly filled window by its whole length: the scene's Prometheus
 # evaluates the same rule file with 1 m windows (promtool tests the file as it
 # is, deploy/rules/slatrace.rules.test.yaml; bench/fleet.py runs it for minutes).
 SINCE = 60
-SCENE_S = 150
+SCENE_S = 180
 RULE_WINDOW = "1m"
-# Rates of counters that step every tick (0.25 s), scraped every 5 s, over 60 s.
+# Rates of counters that step every tick (0.25 s), scraped every 10 s, over 60 s.
 RULES_REL = 0.03
 WINDOW_REL = 0.03
 # The values the rules recorded: each evaluated "now", a node's rate may miss
-# its scrape in flight, one interval of the window (5 s of 60 s).
-RECORDED_REL = 0.1
+# its scrape in flight, up to one interval of the window (10 s of 60 s).
+RECORDED_REL = 0.17
 # The CLI run as a user runs it, asked "now": a node's last scrape may be in
 # flight or may have timed out (two intervals of the window at worst).
-CLI_REL = 0.2
+CLI_REL = 0.35
 QUANTILES = (0.5, 0.95, 0.99)
 OVERVIEW = REPO / "dashboards" / "slatrace-overview.json"
 REQUESTS = REPO / "dashboards" / "slatrace-requests.json"
@@ -90,6 +90,14 @@ class Scene:
     attribution: dict    # fleet_attribution() at `at`, by service: what the CLI prints
     cli: dict            # `slatrace attribution --prometheus --json` run now, by service
     rules: dict          # record name -> its expressions in the rule file (one per quantile label)
+    # Prometheus stamps a sample when it starts the scrape, the server reads the
+    # node's counters when it renders: up to the slowest scrape later. Two samples
+    # of one node differ by at most that much in the time they stand for.
+    lag: float
+
+    def rel(self, base: float) -> float:
+        """A tolerance widened by the scrapes' lag over the window."""
+        return base + self.lag / SINCE
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +116,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
         scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(SPEC, fleet.address)}]
         with running_prometheus(tmp, scrape_configs=scrape, interval=f"{SCRAPE_S}s", rule_files=(rules,),
                                 nice=10) as prom:
+            prom.timeout = 60.0
             deadline = time.monotonic() + SCENE_S + 120
             while time.monotonic() < deadline:
                 up = prom.query('count(count_over_time(up{job="slatrace"}[10m]) >= %d)' % (SCENE_S // SCRAPE_S))
@@ -127,7 +136,9 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
                                              "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
             assert cli.returncode == 0, cli.stderr
             records = {r["service"]: r for r in json.loads(cli.stdout)["attribution"]}
-            yield Scene(prom, fleet_states(SPEC), at, attribution, records, recorded)
+            slowest = prom.query(f'max(max_over_time(scrape_duration_seconds{{job="slatrace"}}'
+                                 f'[{SINCE + 2 * SCRAPE_S}s]))', at)
+            yield Scene(prom, fleet_states(SPEC), at, attribution, records, recorded, float(slowest[0]["value"][1]))
 
 
 def clean_moment(prom: Prometheus, latest: float) -> float:
@@ -228,7 +239,7 @@ def test_fleet_quantiles_from_rules_dashboard_and_cli(scene: Scene, q: float) ->
             assert within_one_bucket(answer, exact), (service, source, answer, exact)
             # The same interpolation on the exact merged counts: only the rates'
             # weights differ, by the scrape grid.
-            rel = RULES_REL if source in ("rule", "dashboard", "attribution") else RECORDED_REL
+            rel = scene.rel(RULES_REL) if source in ("rule", "dashboard", "attribution") else RECORDED_REL
             assert answer == pytest.approx(close, rel=rel), (service, source, answer, close)
         checked += 1
     assert checked >= 8
@@ -271,13 +282,13 @@ def test_wait_and_counts_are_sums_over_nodes(scene: Scene) -> None:
     for service in {s for st in scene.states for s in st.services}:
         values = merged_runq_ns(scene.states, service)
         n, seconds = _per_second(len(values)), _per_second(sum(values) / 1e9)
-        assert count[service] == pytest.approx(n, rel=RULES_REL), service
-        assert wait[service] == pytest.approx(seconds, rel=RULES_REL), service
+        assert count[service] == pytest.approx(n, rel=scene.rel(RULES_REL)), service
+        assert wait[service] == pytest.approx(seconds, rel=scene.rel(RULES_REL)), service
         assert count_rec[service] == pytest.approx(n, rel=RECORDED_REL), service
         assert wait_rec[service] == pytest.approx(seconds, rel=RECORDED_REL), service
         ours = scene.attribution[service]["runq"]
-        assert ours["count"] == pytest.approx(n * SINCE, rel=WINDOW_REL), service
-        assert ours["wait_seconds"] == pytest.approx(seconds * SINCE, rel=WINDOW_REL), service
+        assert ours["count"] == pytest.approx(n * SINCE, rel=scene.rel(WINDOW_REL)), service
+        assert ours["wait_seconds"] == pytest.approx(seconds * SINCE, rel=scene.rel(WINDOW_REL)), service
         cli = scene.cli[service]["runq"]
         assert cli["count"] == pytest.approx(n * SINCE, rel=CLI_REL), service
 
@@ -299,7 +310,7 @@ def test_top_culprits_are_sums_over_nodes(scene: Scene) -> None:
         ref = _culprits(scene.states, service)
         if not ref:
             continue
-        for table, rel in ((rule, RULES_REL), (recorded, RECORDED_REL)):
+        for table, rel in ((rule, scene.rel(RULES_REL)), (recorded, RECORDED_REL)):
             got = {by: v for (s, by), v in table.items() if s == service}
             assert set(got) == set(ref), service
             for by, w in ref.items():
@@ -307,18 +318,19 @@ def test_top_culprits_are_sums_over_nodes(scene: Scene) -> None:
         ours = {b["service"]: b["wait_seconds"] for b in scene.attribution[service]["preemption"]["by"]}
         assert set(ours) == set(ref)
         for by, w in ref.items():
-            assert ours[by] == pytest.approx(_per_second(w) * SINCE, rel=WINDOW_REL), (service, by)
+            assert ours[by] == pytest.approx(_per_second(w) * SINCE, rel=scene.rel(WINDOW_REL)), (service, by)
         # The top culprit, where the runner-up is not within the tolerance.
         ranked = sorted(ref.values(), reverse=True)
         if len(ranked) == 1 or ranked[1] < ranked[0] * 0.9:
             assert scene.attribution[service]["preemption"]["by"][0]["service"] == max(ref, key=ref.get)
+        if len(ranked) == 1 or ranked[1] < ranked[0] * (1 - CLI_REL):
             assert scene.cli[service]["preemption"]["by"][0]["service"] == max(ref, key=ref.get)
 
 
 def test_request_delay_by_cause_is_the_sum_over_nodes(scene: Scene) -> None:
     ref = delay_by_cause(scene.states)
     name = "service_cause_culprit:slatrace_request_delay_seconds:rate5m"
-    for expr, rel in ((rule_expr(scene, name), RULES_REL), (name, RECORDED_REL)):
+    for expr, rel in ((rule_expr(scene, name), scene.rel(RULES_REL)), (name, RECORDED_REL)):
         rule = _vector(scene.prom, expr, scene.at, "service", "cause", "culprit")
         assert set(rule) == set(ref)
         for key, seconds in ref.items():
@@ -330,7 +342,7 @@ def test_request_delay_by_cause_is_the_sum_over_nodes(scene: Scene) -> None:
         by_cause[(service, cause)] = by_cause.get((service, cause), 0.0) + seconds
     assert set(dash) == set(by_cause)
     for key, seconds in by_cause.items():
-        assert dash[key] == pytest.approx(_per_second(seconds), rel=WINDOW_REL), key
+        assert dash[key] == pytest.approx(_per_second(seconds), rel=scene.rel(WINDOW_REL)), key
 
 
 # -- SLO verdicts

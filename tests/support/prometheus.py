@@ -24,12 +24,13 @@ RULES = Path(__file__).resolve().parents[2] / "deploy" / "rules" / "slatrace.rul
 class Prometheus:
     url: str
     proc: subprocess.Popen
+    timeout: float = 5.0   # per query; a fleet's queries on a busy machine want more
 
     def query(self, expr: str, at: float | None = None) -> list[dict]:
         params = {"query": expr}
         if at is not None:
             params["time"] = f"{at:.3f}"
-        status, body = http_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}")
+        status, body = http_get(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}", self.timeout)
         doc = json.loads(body)
         assert status == 200 and doc["status"] == "success", (expr, status, doc)
         return doc["data"]["result"]
