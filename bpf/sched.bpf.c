@@ -644,8 +644,17 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         }
     }
 
-    if (!prev || out_state == TS_EXITING)
-        return 0;         /* idle, or exiting: sched_process_exit dropped the entry */
+    if (!prev)
+        return 0;         /* idle */
+    if (out_state == TS_EXITING) {
+        /* sched_process_exit dropped the entry, but a preemption between it
+         * and this last switch makes a new one, whose merged waits go now. */
+        if (p) {
+            flush_pending(p, prev);
+            task_drop(prev);
+        }
+        return 0;
+    }
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
     if (p) {
