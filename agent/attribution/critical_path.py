@@ -18,6 +18,17 @@ waiting at that instant, if anyone did: with a heavier neighbour the
 service's threads take turns on the little CPU it leaves them, and the last
 holder of a wait is then often a sibling, while the CPU was the neighbour's.
 
+The service's own CPU limit defers the same way, to neighbours only: an
+instant where one of the request's threads sat throttled while another of
+them waited behind a neighbour goes to that neighbour. The request could not
+move on before the neighbour let its thread run, limit or not; and a
+throttle there is mostly the neighbour's doing, since the service's other
+threads spend its quota waiting (spinning) for the one held. Removing the
+limit alone leaves those instants held; removing the neighbour ends them.
+(With a neighbour of twenty times vLLM's weight and the limit at 0.5 CPU, an
+even split charged the limit 0.88 s a request where removing it took away
+0.20-0.44 s.)
+
 A record of a spinning thread's merged short waits (agent/store/events.py)
 waited only part of the time it covers: it counts as waiting that part of
 every instant (its density), and instants where several such records overlap
@@ -33,9 +44,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from agent.store.store import IDLE
+from agent.identity.services import KERNEL
+from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE
 
 __all__ = ["Delay", "Wait", "clip", "critical_delay"]
+
+# Culprits that are not another service.
+_NOT_NEIGHBOURS = frozenset({CPU_LIMIT, IDLE, UNKNOWN_SERVICE, KERNEL.name})
 
 # (start_ns, end_ns, culprit) for a whole wait; with the time waited inside
 # [start, end] as a fourth element for a record of merged waits.
@@ -76,7 +91,9 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
     its own threads while its own threads were themselves kept waiting by
     someone else waited, in the end, for that someone (a neighbour holding
     the CPU the service's threads take turns on). Those instants go to the
-    neighbours keeping the service's threads waiting then, evenly.
+    neighbours keeping the service's threads waiting then, evenly; and the
+    part of an instant charged to the service's CPU limit goes to the
+    neighbours holding one of `threads` at that instant, if any.
     """
     critical = set(threads)
     # (time, +1 start / -1 end, culprit, critical, density: the part of the
@@ -95,10 +112,11 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
     # Ends before starts at the same instant: touching waits do not overlap.
     edges.sort(key=lambda e: (e[0], e[1]))
     active: dict[str, float] = {}   # culprit -> critical waiting in progress (sum of densities)
+    held: dict[str, float] = {}     # neighbour -> critical waiting behind it in progress
     behind: dict[str, float] = {}   # culprit -> waiting in progress of any thread, neither own nor idle
     whole = 0                       # critical whole waits in progress
     parts: dict[float, int] = {}    # density -> critical merged records in progress
-    n_active = n_behind = 0.0
+    n_active = n_behind = n_held = 0.0
     by: dict[str, float] = {}
     union = 0.0
     last = 0
@@ -106,17 +124,26 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
         if active and t > last:
             span = (t - last) * _held(whole, parts)
             union += span
+            now: dict[str, float] = {}
             for name, k in active.items():
                 share = span * k / n_active
                 if name == own and behind:
                     for other, j in behind.items():
-                        by[other] = by.get(other, 0.0) + share * j / n_behind
+                        now[other] = now.get(other, 0.0) + share * j / n_behind
                 else:
-                    by[name] = by.get(name, 0.0) + share
+                    now[name] = now.get(name, 0.0) + share
+            limit = now.pop(CPU_LIMIT, 0.0) if held and own is not None else 0.0
+            for other, j in held.items():
+                now[other] = now.get(other, 0.0) + limit * j / n_held
+            for name, share in now.items():
+                by[name] = by.get(name, 0.0) + share
         last = t
         if on_path:
             n_active += step * density
             _count(active, culprit, step * density)
+            if culprit not in _NOT_NEIGHBOURS and culprit != own:
+                n_held += step * density
+                _count(held, culprit, step * density)
             if density == 1.0:
                 whole += step
             else:

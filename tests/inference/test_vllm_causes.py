@@ -20,11 +20,12 @@ charge of (a) the rise of mean latency over calm, the `neighbour` charge of
 (b) its rise over calm, and in (c) each cause's charge what removing it alone
 takes away: (c) - (b) for the limit, (c) - (a) for the neighbour. A charge is
 taken net of what the scene without the cause charges it (other services of
-this machine count as neighbours in every scene). The two causes interact
-(beside the neighbour the limit binds differently): in (c) the cause's charge
-with the change of the other causes' charges must account for what removing
-it takes away; its own charge alone held in a quiet run and missed in
-another, and is checked as an expected failure until it holds in every run. In every scene
+this machine count as neighbours in every scene). The two causes interact:
+in (c) each cause's charge with the change of the other causes' charges must
+account for what removing it takes away; the neighbour's own charge alone
+must too, while the limit's own charge alone is an expected failure (the
+limit also makes vLLM compete worse beside the neighbour between throttles,
+and those waits are the neighbour's; docs/api.md). In every scene
 the cause `unknown` stays within 5% of the delay, and no limit is charged
 where none is set.
 
@@ -365,11 +366,19 @@ def test_a_causes_charge_predicts_what_removing_it_takes_away(causes, scene, cau
         assert abs(c["charged"] + c["other_causes_charged"] - c["rise"]) <= c["tolerance"], c
 
 
-@pytest.mark.xfail(strict=False, reason="in (c) a cause's own charge alone missed what removing it took away in "
-                   "some runs (docs/api.md): held in a quiet run, not in every one")
-@pytest.mark.parametrize("scene,cause", [k for k, without in COUNTERFACTUALS.items() if without != CALM])
+# The limit also makes vLLM's model worker compete worse beside the
+# neighbour between throttles (docs/api.md): those longer waits are charged to
+# the neighbour, so in (c) the limit's own charge falls short of what removing
+# it takes away (0.15 s against 0.53 s, standard error 0.04, in a quiet run).
+LIMIT_BESIDE_NEIGHBOUR = pytest.mark.xfail(
+    strict=False, reason="in (c) the limit's own charge leaves out how it makes vLLM compete with the neighbour "
+                         "between throttles, which the neighbour's waits carry (docs/api.md)")
+
+
+@pytest.mark.parametrize("scene,cause", [(BOTH, NEIGHBOUR),
+                                         pytest.param(BOTH, CPU_LIMIT, marks=LIMIT_BESIDE_NEIGHBOUR)])
 def test_in_c_a_causes_own_charge_predicts_what_removing_it_takes_away(causes, scene, cause):
-    """The issue's strict form in (c): the cause's own charge alone."""
+    """The strict form in (c): the cause's own charge alone."""
     [c] = [c for c in causes["table"]["counterfactuals"] if (c["scene"], c["cause"]) == (scene, cause)]
     assert c["rise"] > 0.05, f"{cause} changed little in {scene} ({c['rise']:.3f} s): no cause to test"
     assert abs(c["charged"] - c["rise"]) <= c["tolerance"], c

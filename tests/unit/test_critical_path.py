@@ -43,6 +43,26 @@ def test_union_and_split_by_hand():
                                                "vllm": (10 / 3 + 5) / 1e3, "idle": 5 / 1e3})
 
 
+def test_the_limit_defers_to_a_neighbour_holding_another_of_the_requests_threads():
+    # Window [0, 100] ms. The model thread A waits 0-60 behind batch, on the
+    # CPU batch shares with it; B, the service's thread on the other CPU,
+    # sits throttled by the service's own limit 20-80.
+    waits = {1: [(0, 60 * MS, "batch")], 2: [(20 * MS, 80 * MS, "cpu_limit")]}
+    d = critical_delay(waits, threads=[1, 2], own="vllm")
+    # 0-60 batch (20-60 too: A cannot run before batch lets it, limit or not); 60-80 the limit alone.
+    assert d.seconds == pytest.approx(0.080)
+    assert d.by == (("batch", pytest.approx(0.060)), ("cpu_limit", pytest.approx(0.020)))
+    # Not told which service the threads are: no one to defer to, an even split.
+    assert dict(critical_delay(waits, threads=[1, 2]).by) == pytest.approx({"batch": 0.040, "cpu_limit": 0.040})
+    # A helper outside the request's threads waiting behind batch changes nothing for the limit.
+    helper = {**waits, 1: [], 3: [(0, 100 * MS, "batch")]}
+    assert critical_delay(helper, threads=[1, 2], own="vllm").by == (("cpu_limit", pytest.approx(0.060)),)
+    # Idle CPUs, the kernel and unknown culprits are no neighbours: the limit keeps its half.
+    for other in ("idle", "kernel", "unknown"):
+        alone = critical_delay({1: [(20 * MS, 80 * MS, other)], 2: waits[2]}, threads=[1, 2], own="vllm")
+        assert dict(alone.by) == pytest.approx({other: 0.030, "cpu_limit": 0.030})
+
+
 def test_touching_and_empty_waits():
     assert critical_delay({1: [(0, 10, "a"), (10, 20, "b")], 2: [(5, 5, "c")]}, [1, 2]).seconds == pytest.approx(20e-9)
     assert critical_delay({}, [1]).seconds == 0.0 and critical_delay({}, [1]).by == ()
