@@ -1,15 +1,19 @@
 """The fleet section of `make bench` (`--sections fleet`): what N nodes cost the
 Prometheus that scrapes them, and how long the fleet answers take.
 
-For each N (default 100, 300, 1,000 nodes) the fleet scene of the tests
-(tests/support/fleet.py, ≥20 services a node, each node's exposition written
-by the agent's own exporter from a node state of its own) is served from one
-process, and Debian's Prometheus scrapes every node every 15 s and evaluates
+For each N (default 100, 300, 1,000 nodes; `--fleet-nodes` chooses) the fleet
+scene of the tests (tests/support/fleet.py, ≥20 services a node, each node's
+exposition written by the agent's own exporter from a node state of its own)
+is served by tests/support/fleet_server.py (a process per 500 nodes, each
+node rendered in the background just before its scrape), and Debian's
+Prometheus scrapes every node every 15 s and evaluates
 the shipped rule file (deploy/rules/slatrace.rules.yaml) every 15 s, both
 under nice 10. Once the rules' 5 m windows are full, Prometheus's own metrics
 are read for a minute: head series, samples appended per second, resident
 memory, CPU, each rule group's evaluation time; then `slatrace attribution
---prometheus` is timed over 5 minutes of the fleet (all services, and one).
+--prometheus` is timed over 5 minutes of the fleet (all services, and one),
+the window the fleet rules record, so it reads their series when they are
+fresh (the path each run took is kept).
 Series per node at 20, 100 and 1,000 services come from the exporter alone
 (bench/export_budget.py). The figures for 10,000 nodes are extrapolated
 linearly from the largest two points (the assumptions are printed with them).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import tempfile
@@ -70,6 +75,12 @@ def prometheus_figures(url: str) -> dict[str, Any]:
     return out
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (all but idle and iowait), from /proc/stat."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def rule_reads(url: str) -> dict[str, dict[str, float]]:
     """Per rule group, the samples one evaluation round reads and the time the
     query engine spends on it (each rule's expression run with stats=all):
@@ -87,13 +98,24 @@ def rule_reads(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def time_cli(url: str, *service: str) -> tuple[float, str | None]:
-    """Seconds the command took, and its error if it failed (a query past the
-    CLI's 10 s timeout on a starved machine): a failure is a figure too."""
+def time_cli(url: str, *service: str) -> tuple[float, str | None, str | None]:
+    """Seconds the command took, its error if it failed (a query past the
+    CLI's 10 s timeout on a starved machine: a failure is a figure too), and
+    the path it took (the records' `source`: recorded series or raw counters)."""
     start = time.monotonic()
     r = subprocess.run(SLATRACE + ["attribution", *service, "--prometheus", url, "--since", str(CLI_SINCE), "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
-    return time.monotonic() - start, (r.stderr.strip() or f"exit {r.returncode}") if r.returncode else None
+    took = time.monotonic() - start
+    if r.returncode:
+        return took, r.stderr.strip() or f"exit {r.returncode}", None
+    sources = {rec.get("source") for rec in json.loads(r.stdout)["attribution"]}
+    return took, None, "/".join(sorted(s for s in sources if s)) or None
+
+
+def _cli_times(runs: list[tuple[float, str | None, str | None]]) -> dict[str, Any]:
+    ok = [t for t, e, _ in runs if not e] or [math.nan]
+    paths = sorted({p for _, e, p in runs if not e and p})
+    return {"median": statistics.median(ok), "values": ok, "paths": paths}
 
 
 def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s: float = WARM_S,
@@ -101,17 +123,18 @@ def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s
     spec = FleetSpec(nodes=nodes, services_per_node=services)
     tmp = Path(tempfile.mkdtemp(prefix="slatrace-bench-fleet-"))
     progress(f"fleet: {nodes} nodes x {services} services, scraped every {SCRAPE_S} s")
-    with running_fleet(spec, nice=10) as fleet:
-        scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(spec, fleet.address)}]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with running_fleet(spec, nice=10, scrape_s=SCRAPE_S) as fleet:
+        scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(spec, fleet)}]
         with running_prometheus(tmp, scrape_configs=scrape, interval=f"{SCRAPE_S}s", rule_files=(RULES,),
                                 nice=10, timeout=120) as prom:
             time.sleep(warm_s)
-            first, t0 = prometheus_figures(prom.url), time.monotonic()
+            first, t0, server0, busy0 = prometheus_figures(prom.url), time.monotonic(), fleet.stats(), busy_cpu_s()
             samples = [first]
             while time.monotonic() - t0 < measure_s:
                 time.sleep(SCRAPE_S)
                 samples.append(prometheus_figures(prom.url))
-            last, elapsed = samples[-1], time.monotonic() - t0
+            last, elapsed, server, busy = samples[-1], time.monotonic() - t0, fleet.stats(), busy_cpu_s()
             up = prom.query('count(up{job="slatrace"} == 1)')
             failed = prom.query(f'sum(count_over_time(up{{job="slatrace"}}[{int(warm_s + measure_s)}s]) '
                                 f'- sum_over_time(up{{job="slatrace"}}[{int(warm_s + measure_s)}s]))')
@@ -120,12 +143,11 @@ def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s
             progress(f"fleet: {nodes} nodes measured; timing slatrace attribution --prometheus")
             cli_all = [time_cli(prom.url) for _ in range(3)]
             cli_one = [time_cli(prom.url, "llm/vllm") for _ in range(3)]
-    errors = [e for _, e in cli_all + cli_one if e]
-    cli_all, cli_one = [t for t, e in cli_all if not e] or [math.nan], [t for t, e in cli_one if not e] or [math.nan]
+    errors = [e for _, e, _ in cli_all + cli_one if e]
     fleet_eval = [s["groups"].get(FLEET_GROUP, 0.0) for s in samples]
     all_eval = [sum(s["groups"].values()) for s in samples]
     return {
-        "nodes": nodes, "services_per_node": services,
+        "nodes": nodes, "services_per_node": services, "measured": started,
         "nodes_up": int(float(up[0]["value"][1])) if up else 0,
         "failed_scrapes": int(float(failed[0]["value"][1])) if failed else 0,
         "scrape_p99_s": float(scrape_s[0]["value"][1]) if scrape_s else None,
@@ -140,9 +162,19 @@ def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s
         "rule_samples_fleet": reads.get(FLEET_GROUP, {}).get("samples"),
         "rule_samples_all": sum(g["samples"] for g in reads.values()),
         "rule_query_s_all": sum(g["eval_s"] for g in reads.values()),
-        "cli_all_s": {"median": statistics.median(cli_all), "values": cli_all},
-        "cli_one_s": {"median": statistics.median(cli_one), "values": cli_one},
+        "cli_all_s": _cli_times(cli_all),
+        "cli_one_s": _cli_times(cli_one),
         "cli_errors": errors,
+        # The node server: its processes' CPU over the measured minute, and the
+        # scrapes it had to render when they came (its renderer behind).
+        "server_workers": len(fleet.addresses),
+        "server_cpu_pct": 100 * (server.get("cpu_s", 0.0) - server0.get("cpu_s", 0.0)) / elapsed,
+        "server_scrapes": server.get("scrapes", 0),
+        "server_on_demand": server.get("rendered_on_demand", 0),
+        # Everything else on the machine over the same minute: this bench's own
+        # sampling, and whatever other people ran.
+        "others_cpu_pct": 100 * ((busy - busy0) - (last["cpu_s"] - first["cpu_s"])
+                                 - (server.get("cpu_s", 0.0) - server0.get("cpu_s", 0.0))) / elapsed,
     }
 
 
@@ -179,7 +211,7 @@ def run(nodes: list[int], services: int, progress: Callable[[str], None], warm_s
     doc["extrapolated"] = extrapolated(doc)
     big = max(points, key=lambda p: p["nodes"])
     targets = [{"name": f"slatrace attribution --prometheus at {big['nodes']} nodes (all services, {CLI_SINCE} s)",
-                "measured": f"{big['cli_all_s']['median']:.2f} s", "limit": f"≤ {CLI_TARGET_S:.0f} s",
+                "measured": _cli(big["cli_all_s"]), "limit": f"≤ {CLI_TARGET_S:.0f} s",
                 "value": big["cli_all_s"]["median"], "pass": bool(big["cli_all_s"]["median"] <= CLI_TARGET_S)}]
     doc["targets"] = targets
     return doc
@@ -217,6 +249,13 @@ def extrapolated(doc: dict[str, Any], to: int = EXTRAPOLATE_TO) -> dict[str, Any
             "cli_one_s": base["cli_one_s"]["median"] * scale}
 
 
+def _server(p: dict[str, Any]) -> str:
+    if "server_cpu_pct" not in p:
+        return "–"
+    late = max(0, p["server_on_demand"] - p["nodes"])
+    return f"{p['server_cpu_pct']:.0f}; {late:,} of {p['server_scrapes']:,}"
+
+
 FLEET_BEGIN = ("<!-- BEGIN fleet results: written by `make bench ARGS='--sections fleet'`; "
                "edits inside are overwritten -->")
 FLEET_END = "<!-- END fleet results -->"
@@ -226,41 +265,60 @@ def _mib(b: float | None) -> str:
     return "–" if b is None else f"{b / 2**20:,.0f}"
 
 
+_PATHS = {"prometheus_recorded": "recorded", "prometheus": "raw"}
+
+
+def _cli(t: dict[str, Any]) -> str:
+    """A CLI time with the path it took: the rules' recorded series or the raw counters."""
+    paths = "/".join(_PATHS.get(p, p) for p in t.get("paths", []))
+    return f"{t['median']:.2f} s" + (f" ({paths})" if paths else "")
+
+
 def render(res: dict[str, Any], image: str | None) -> str:
     doc = res["fleet"]
     s = doc["settings"]
     m = res["machine"]
-    out = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}, commit {m['commit']}, with "
+    points = sorted(doc["points"], key=lambda p: p["nodes"])
+    intro = (f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}, commit {m['commit']}, with "
            f"`{m['command']}`. Debian's Prometheus scrapes every node every {s['scrape_s']} s and evaluates "
-           f"the shipped rules every {s['evaluation_s']} s (both under nice {s['nice']}, beside other work on "
-           f"the machine); each point is read over {s['measure_s']:.0f} s once the rules' 5 m windows are "
+           f"the shipped rules every {s['evaluation_s']} s (both under nice {s['nice']}; *other work* is the CPU "
+           f"the rest of the machine used meanwhile, of {m['nproc']} CPUs = {100 * m['nproc']}%); "
+           f"each point is read over {s['measure_s']:.0f} s once the rules' 5 m windows are "
            f"full ({s['warm_s']:.0f} s after the start). {s['services_per_node']} services a node, about 40% "
-           "of them with buckets (an SLO or a `histograms` entry).", ""]
+           "of them with buckets (an SLO or a `histograms` entry). The nodes are served by "
+           "tests/support/fleet_server.py, a process per 500 nodes, each node's exposition rendered by the agent's "
+           "exporter in the background just before its scrape (*node server*: its processes' CPU, and the scrapes it "
+           "had to render when they came beyond each node's first, its renderer behind). The CLI times say which "
+           "path it took: *recorded* (the fleet rules' 5 m series) or *raw* (every node's counters re-summed).")
+    if len({p.get("measured") for p in points}) > 1:
+        intro += " Rows measured at different times: " + "; ".join(
+            f"{p['nodes']:,} nodes {p.get('measured', 'before')}" for p in points) + "."
+    out = [intro, ""]
     out += ["| nodes | head series | series / node | samples / s | Prometheus RSS MiB | Prometheus CPU % | "
             "rule groups' evaluation (Prometheus's own, median / max; fleet group) | samples one round of the "
             "rules reads | the same rounds' query time | CLI, all services | CLI, one service "
-            "| failed scrapes | scrape p99 |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in doc["points"]:
+            "| failed scrapes | scrape p99 | node server CPU %, scrapes rendered late | other work CPU % |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
         out.append(f"| {p['nodes']:,} | {p['head_series']:,.0f} | {p['series_per_node']:,.0f} | "
                    f"{p['samples_per_s']:,.0f} | {_mib(p['rss_bytes'])} | {p['cpu_pct']:.0f} | "
                    f"{p['rule_eval_all_s']['median']:.2f} / {p['rule_eval_all_s']['max']:.2f} s; "
                    f"{p['rule_eval_fleet_s']['median']:.2f} s | {p['rule_samples_all']:,.0f} | "
-                   f"{p['rule_query_s_all']:.2f} s | {p['cli_all_s']['median']:.2f} s | "
-                   f"{p['cli_one_s']['median']:.2f} s | {p['failed_scrapes']:,} "
+                   f"{p['rule_query_s_all']:.2f} s | {_cli(p['cli_all_s'])} | "
+                   f"{_cli(p['cli_one_s'])} | {p['failed_scrapes']:,} "
                    f"({failed_share(p, s):.0%}) | "
-                   f"{(p['scrape_p99_s'] or 0) * 1e3:.0f} ms |")
+                   f"{(p['scrape_p99_s'] or 0) * 1e3:.0f} ms | {_server(p)} | "
+                   + (f"{p['others_cpu_pct']:.0f} |" if p.get("others_cpu_pct") is not None else "– |"))
     e = doc["extrapolated"]
     if e.get("rss_bytes") is not None:
         out.append(f"| **{e['nodes']:,}** (extrapolated) | {e['head_series']:,.0f} | | {e['samples_per_s']:,.0f} | "
                    f"{_mib(e['rss_bytes'])} | | {e['rule_eval_all_s']:.1f} s; {e['rule_eval_fleet_s']:.1f} s | "
                    f"{e['rule_samples_all']:,.0f} | {e['rule_query_s_all']:.1f} s | {e['cli_all_s']:.1f} s | "
-                   f"{e['cli_one_s']:.1f} s | | |")
-    starved = ", ".join(f"{p['nodes']:,}" for p in doc["points"] if failed_share(p, s) > 0.02)
+                   f"{e['cli_one_s']:.1f} s | | | | |")
+    starved = ", ".join(f"{p['nodes']:,}" for p in points if failed_share(p, s) > 0.02)
     if starved:
-        out += ["", "Failed scrapes are timeouts: the node server (one Python process rendering each scrape "
-                "through the exporter) and Prometheus, both at nice 10, did not get the CPU they needed beside "
-                f"the machine's other work at {starved} nodes. There the "
+        out += ["", "Failed scrapes are timeouts: the node server and Prometheus, both at nice 10, did not get "
+                f"the CPU they needed beside the machine's other work at {starved} nodes. There the "
                 "samples appended, rule and CLI times measure the starved machine, not the work; the series and "
                 "memory stand (a node's series exist once it has been scraped)."]
     if e.get("rss_bytes") is not None:
@@ -277,7 +335,7 @@ def render(res: dict[str, Any], image: str | None) -> str:
     for n, v in sorted(by_n.items()):
         out.append(f"| {n:,} | {v.get('(budget)', 0):,} | {v.get('*', 0):,} |")
     out.append("")
-    for p in doc["points"]:
+    for p in points:
         if p.get("cli_errors"):
             out.append(f"At {p['nodes']:,} nodes {len(p['cli_errors'])} of the 6 CLI runs failed: "
                        f"{p['cli_errors'][0]}")

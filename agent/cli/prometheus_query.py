@@ -9,6 +9,14 @@ its last 60 s instead, and no I/O-wait quantile. Counts and seconds are
 verdicts are computed by the agent's own rule (attribution.blame_from_totals),
 so the two answers differ only by what Prometheus stores: the classic bucket
 bounds (about 1.4x apart) and the scrape grid.
+
+Asked for the window the shipped `slatrace.fleet` rules precompute (5 m), and
+when Prometheus holds their series fresh, the run-queue figures, culprits and
+SLO breaches are read from those recorded series (already summed over the
+nodes) instead of re-summing every node's raw buckets: the same expressions,
+evaluated by the rules at their last evaluation, whose moment ends the
+window. What the rules do not record (I/O wait, migrations, throttling, the
+nodes' own quantiles, SLO targets) is asked raw at that same moment.
 """
 
 from __future__ import annotations
@@ -24,12 +32,27 @@ from agent.attribution.verdict import verdict
 from agent.cli.client import FetchError, fetch_json
 from agent.errors import SlatraceError
 
-__all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution"]
+__all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution", "recorded_moment"]
 
 QUANTILES = (0.5, 0.95, 0.99)
 # Queries in flight at once: more than a small Prometheus has cores only makes
 # each one slower (and nearer the timeout).
 PARALLEL_QUERIES = 4
+# The window of the shipped fleet rules' `:rate5m` series (deploy/rules/slatrace.rules.yaml).
+RULES_WINDOW_S = 300
+# Recorded series older than this are not used: the docs ask for an evaluation
+# every 15 s to 1 min, so older ones mean the rules are not keeping up.
+RECORDED_MAX_AGE_S = 60.0
+# What the fleet rules record, summed again over `by` (a global layer above
+# several Prometheus servers holds one series per cluster): key -> (series, by).
+RECORDED = {
+    "count": ("service:slatrace_runq_latency_seconds_count:rate5m", "service"),
+    "wait": ("service:slatrace_runq_wait_seconds:rate5m", "service"),
+    "pre_count": ("service_by_service:slatrace_preemptions:rate5m", "service, by_service"),
+    "pre_wait": ("service_by_service:slatrace_preempted_wait_seconds:rate5m", "service, by_service"),
+    "breaches": ("service_slo:slatrace_slo_breaches:rate5m", "service, slo"),
+}
+RECORDED_BUCKETS = "service_le:slatrace_runq_latency_seconds_bucket:rate5m"
 
 
 class PrometheusError(SlatraceError):
@@ -74,25 +97,49 @@ def _by_service(rows: list[tuple[dict[str, str], float]]) -> dict[str, float]:
     return {labels.get("service", ""): v for labels, v in rows}
 
 
+def recorded_moment(prom: PrometheusQuery, at: float, service: str | None = None,
+                    max_age: float = RECORDED_MAX_AGE_S) -> float | None:
+    """When the fleet rules last recorded the service's (or any) figures, at
+    or before `at`; None when they hold none that fresh."""
+    sel = f'{{service="{service}"}}' if service else ""
+    rows = prom.vector(f"max(timestamp({RECORDED['count'][0]}{sel}))", at)
+    if not rows or not at - max_age <= rows[0][1] <= at:
+        return None
+    return rows[0][1]
+
+
 def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = None,
-                      service: str | None = None) -> dict:
-    """The /api/v1/attribution document (same shape, `source: prometheus`)
-    for the `since` seconds before `at`, summed over every scraped agent."""
+                      service: str | None = None, rules_window: float = RULES_WINDOW_S) -> dict:
+    """The /api/v1/attribution document (same shape, `source: prometheus`, or
+    `prometheus_recorded` when read from the fleet rules' series) for the
+    `since` seconds before `at`, summed over every scraped agent.
+    `rules_window` is the window the rules' `:rate5m` series cover."""
     at = prom._clock() if at is None else at
-    rng = f"[{max(1, round(since))}s]"
+    window = max(1, round(since))
+    rng = f"[{window}s]"
     sel_inner = f', service="{service}"' if service else ""
     sel = f'{{service="{service}"}}' if service else ""
+    recorded = recorded_moment(prom, at, service) if window == round(rules_window) else None
+    if recorded is not None:
+        at = recorded   # the window the rules' figures cover ends at their evaluation
 
     # Every query is independent: a few run at once (Prometheus evaluates them in
     # parallel), which at a thousand nodes is most of the answer's time.
     queries: dict[str, str] = {}
 
     def inc(key: str, metric: str, by: str = "service") -> None:
-        queries[key] = f"sum by ({by}) (increase({metric}{sel}{rng}))"
+        if recorded is not None and key in RECORDED:
+            series, by = RECORDED[key]
+            queries[key] = f"sum by ({by}) ({series}{sel})"   # a rate: times the window below
+        else:
+            queries[key] = f"sum by ({by}) (increase({metric}{sel}{rng}))"
 
     def quantile(key: str, metric: str, q: float) -> None:
         # A histogram with the +Inf bucket only answers NaN, which vector() drops.
-        queries[key] = f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))"
+        if recorded is not None and metric == "slatrace_runq_latency_seconds":
+            queries[key] = f"histogram_quantile({q}, sum by (service, le) ({RECORDED_BUCKETS}{sel}))"
+        else:
+            queries[key] = f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))"
 
     inc("count", "slatrace_runq_latency_seconds_count")
     inc("wait", "slatrace_runq_latency_seconds_sum")
@@ -110,6 +157,10 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
     inc("breaches", "slatrace_slo_breaches_total", "service, slo")
     with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
         answers = dict(zip(queries, pool.map(lambda expr: prom.vector(expr, at), queries.values())))
+    if recorded is not None:
+        for key in RECORDED:
+            answers[key] = [(labels, v * window) for labels, v in answers[key]]
+    source = "prometheus" if recorded is None else "prometheus_recorded"
 
     count = _by_service(answers["count"])
     wait = _by_service(answers["wait"])
@@ -146,7 +197,7 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
                         "ok": value is None or value <= target,
                         "intervals_breached": round(breaches.get((name, slo_name), 0.0))})
         record = {
-            "service": name, "start": at - since, "end": at, "source": "prometheus",
+            "service": name, "start": at - since, "end": at, "source": source,
             "runq": runq,
             "preemption": {
                 "count": round(sum(pre_count.get(name, {}).values())),

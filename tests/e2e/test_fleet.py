@@ -2,8 +2,10 @@
 the agent's own exporter writes from a node state of its own (different
 services, loads, culprits, SLO results; a share of the nodes in breach;
 tests/support/fleet.py). Every fleet answer, from the dashboards' queries, the
-recording rules and `slatrace attribution --prometheus`, is checked against
-figures computed here from the generated node states, another way:
+recording rules and `slatrace attribution --prometheus` (both its paths: the
+raw counters re-summed over the nodes, and the rules' recorded series when it
+is asked for their window), is checked against figures computed here from the
+generated node states, another way:
 
 - a service's fleet P50/P95/P99 against the quantile of the merged exact
   distribution (every node's raw waits together), within one exported
@@ -56,8 +58,8 @@ from tests.support.prometheus import RULES, Prometheus, dashboard_targets, runni
 pytestmark = pytest.mark.e2e
 
 SPEC = FleetSpec(nodes=50)
-# Every 10 s: the server renders each node at each scrape, and under nice 10
-# beside other tests' CPU hogs shorter intervals (and timeouts) made scrapes fail.
+# Every 10 s: under nice 10 beside other tests' CPU hogs, shorter intervals
+# (and timeouts) made scrapes fail when the server rendered at each scrape.
 SCRAPE_S = 10
 # The CLI's window. The scene lasts 90 s, less than the rules' 5 m, and rate()
 # divides a partly filled window by its whole length: the scene's Prometheus
@@ -66,6 +68,9 @@ SCRAPE_S = 10
 SINCE = 60
 SCENE_S = 180
 RULE_WINDOW = "1m"
+# The window the rewritten rules' `:rate5m` series cover: the CLI's recorded
+# path is asked for it (the shipped rules: 300 s, too long for `make test`).
+RULE_WINDOW_S = 60
 # Rates of counters that step every tick (0.25 s), scraped every 10 s, over 60 s.
 RULES_REL = 0.03
 WINDOW_REL = 0.03
@@ -88,6 +93,7 @@ class Scene:
     states: list[NodeState]
     at: float            # a moment every scrape before which is in Prometheus
     attribution: dict    # fleet_attribution() at `at`, by service: what the CLI prints
+    recorded: dict       # the same, read from the rules' recorded series
     cli: dict            # `slatrace attribution --prometheus --json` run now, by service
     rules: dict          # record name -> its expressions in the rule file (one per quantile label)
     # Prometheus stamps a sample when it starts the scrape, the server reads the
@@ -107,13 +113,14 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
     tmp = tmp_path_factory.mktemp("fleet")
     rules = tmp / "slatrace.rules.yaml"
     rules.write_text(RULES.read_text().replace("[5m]", f"[{RULE_WINDOW}]"))
-    recorded: dict[str, list[tuple[dict, str]]] = {}
+    assert RULE_WINDOW == f"{RULE_WINDOW_S // 60}m" and RULE_WINDOW_S == SINCE
+    rules_exprs: dict[str, list[tuple[dict, str]]] = {}
     for group in yaml.safe_load(rules.read_text())["groups"]:
         for rule in group["rules"]:
             if "record" in rule:
-                recorded.setdefault(rule["record"], []).append((rule.get("labels", {}), rule["expr"]))
-    with running_fleet(SPEC) as fleet:
-        scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(SPEC, fleet.address)}]
+                rules_exprs.setdefault(rule["record"], []).append((rule.get("labels", {}), rule["expr"]))
+    with running_fleet(SPEC, scrape_s=SCRAPE_S) as fleet:
+        scrape = [{"job_name": "slatrace", "static_configs": prometheus_targets(SPEC, fleet)}]
         with running_prometheus(tmp, scrape_configs=scrape, interval=f"{SCRAPE_S}s", rule_files=(rules,),
                                 nice=10) as prom:
             prom.timeout = 60.0
@@ -130,15 +137,18 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
             # at the latest moment whose window has every node's every scrape.
             time.sleep(2 * SCRAPE_S)
             at = clean_moment(prom, time.time() - 2 * SCRAPE_S)
-            attribution = {r["service"]: r for r in fleet_attribution(PrometheusQuery(prom.url, timeout=60), SINCE, at)
-                           ["attribution"]}
+            ask = PrometheusQuery(prom.url, timeout=60)
+            attribution = {r["service"]: r for r in fleet_attribution(ask, SINCE, at)["attribution"]}
+            recorded = {r["service"]: r for r in fleet_attribution(ask, SINCE, at, rules_window=RULE_WINDOW_S)
+                        ["attribution"]}
             cli = subprocess.run(SLATRACE + ["attribution", "--prometheus", prom.url, "--since", str(SINCE),
                                              "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
             assert cli.returncode == 0, cli.stderr
             records = {r["service"]: r for r in json.loads(cli.stdout)["attribution"]}
             slowest = prom.query(f'max(max_over_time(scrape_duration_seconds{{job="slatrace"}}'
                                  f'[{SINCE + 2 * SCRAPE_S}s]))', at)
-            yield Scene(prom, fleet_states(SPEC), at, attribution, records, recorded, float(slowest[0]["value"][1]))
+            yield Scene(prom, fleet_states(SPEC), at, attribution, recorded, records, rules_exprs,
+                        float(slowest[0]["value"][1]))
 
 
 def clean_moment(prom: Prometheus, latest: float) -> float:
@@ -233,7 +243,8 @@ def test_fleet_quantiles_from_rules_dashboard_and_cli(scene: Scene, q: float) ->
         exact, close = exact_quantile(values, q), interpolated(values, q)
         key = f"p{round(q * 100)}"
         answers = {"rule": rule.get(service), "recorded": recorded.get(service), "dashboard": dash.get(service),
-                   "fleet dashboard": fleet_dash.get(service), "attribution": scene.attribution[service]["runq"][key]}
+                   "fleet dashboard": fleet_dash.get(service), "attribution": scene.attribution[service]["runq"][key],
+                   "attribution (recorded)": scene.recorded[service]["runq"][key]}
         for source, answer in answers.items():
             assert answer is not None, (service, source)
             assert within_one_bucket(answer, exact), (service, source, answer, exact)
@@ -255,6 +266,7 @@ def test_services_without_buckets_fall_back_to_the_nodes_own_quantiles(scene: Sc
                     if service in st.services)
         # The agent's quantile is interpolated in 1/16-octave slots (~4.4% wide).
         assert scene.attribution[service]["runq"]["p99"] == pytest.approx(worst, rel=0.05), service
+        assert scene.recorded[service]["runq"]["p99"] == pytest.approx(worst, rel=0.05), service
 
 
 def test_averaged_node_quantiles_are_not_the_fleet_quantile(scene: Scene) -> None:
@@ -289,6 +301,9 @@ def test_wait_and_counts_are_sums_over_nodes(scene: Scene) -> None:
         ours = scene.attribution[service]["runq"]
         assert ours["count"] == pytest.approx(n * SINCE, rel=scene.rel(WINDOW_REL)), service
         assert ours["wait_seconds"] == pytest.approx(seconds * SINCE, rel=scene.rel(WINDOW_REL)), service
+        rec = scene.recorded[service]["runq"]
+        assert rec["count"] == pytest.approx(n * SINCE, rel=RECORDED_REL), service
+        assert rec["wait_seconds"] == pytest.approx(seconds * SINCE, rel=RECORDED_REL), service
         cli = scene.cli[service]["runq"]
         assert cli["count"] == pytest.approx(n * SINCE, rel=CLI_REL), service
 
@@ -315,10 +330,11 @@ def test_top_culprits_are_sums_over_nodes(scene: Scene) -> None:
             assert set(got) == set(ref), service
             for by, w in ref.items():
                 assert got[by] == pytest.approx(_per_second(w), rel=rel), (service, by)
-        ours = {b["service"]: b["wait_seconds"] for b in scene.attribution[service]["preemption"]["by"]}
-        assert set(ours) == set(ref)
-        for by, w in ref.items():
-            assert ours[by] == pytest.approx(_per_second(w) * SINCE, rel=scene.rel(WINDOW_REL)), (service, by)
+        for doc, rel in ((scene.attribution, scene.rel(WINDOW_REL)), (scene.recorded, RECORDED_REL)):
+            ours = {b["service"]: b["wait_seconds"] for b in doc[service]["preemption"]["by"]}
+            assert set(ours) == set(ref)
+            for by, w in ref.items():
+                assert ours[by] == pytest.approx(_per_second(w) * SINCE, rel=rel), (service, by)
         # The top culprit, where the runner-up is not within the tolerance.
         ranked = sorted(ref.values(), reverse=True)
         if len(ranked) == 1 or ranked[1] < ranked[0] * 0.9:
@@ -365,10 +381,14 @@ def test_slo_verdicts_node_by_node_and_fleet_wide(scene: Scene) -> None:
         # Each node judges every interval; a slow node breaks every one of them.
         assert ratio[service] == pytest.approx(len(slow) / len(running), abs=0.03), service
         p99 = exact_quantile(merged_runq_ns(scene.states, service), 0.99)
-        (slo,) = scene.attribution[service]["slo"]
-        assert slo["target"] == pytest.approx(target)
-        if not within_one_bucket(p99, target):   # a verdict on the edge of a bucket is not decided here
-            assert slo["ok"] == (p99 <= target), (service, p99, target, slo)
+        for doc in (scene.attribution, scene.recorded):
+            (slo,) = doc[service]["slo"]
+            assert slo["target"] == pytest.approx(target)
+            if not within_one_bucket(p99, target):   # a verdict on the edge of a bucket is not decided here
+                assert slo["ok"] == (p99 <= target), (service, p99, target, slo)
+        # The intervals breached in the window: the rules' rate times the window.
+        raw, rec = (doc[service]["slo"][0]["intervals_breached"] for doc in (scene.attribution, scene.recorded))
+        assert (rec == raw == 0) if not slow else rec == pytest.approx(raw, rel=RECORDED_REL), service
 
 
 # -- drill-down
@@ -396,10 +416,27 @@ def test_cli_prints_the_fleet_answer(scene: Scene) -> None:
         exact = exact_quantile(merged_runq_ns(scene.states, service), 0.99)
         assert within_one_bucket(scene.cli[service]["runq"]["p99"], exact), service
         assert scene.cli[service]["source"] == "prometheus" and scene.cli[service]["verdict"].startswith(service)
-    # One service: the same record, alone.
-    doc = fleet_attribution(PrometheusQuery(scene.prom.url, timeout=60), SINCE, scene.at, service="llm/vllm")
+    # One service: the same record, alone, on either path.
+    ask = PrometheusQuery(scene.prom.url, timeout=60)
+    doc = fleet_attribution(ask, SINCE, scene.at, service="llm/vllm")
     assert [r["service"] for r in doc["attribution"]] == ["llm/vllm"]
     assert doc["attribution"][0]["runq"] == scene.attribution["llm/vllm"]["runq"]
+    doc = fleet_attribution(ask, SINCE, scene.at, service="llm/vllm", rules_window=RULE_WINDOW_S)
+    assert [r["source"] for r in doc["attribution"]] == ["prometheus_recorded"]
+    assert doc["attribution"][0]["runq"] == pytest.approx(scene.recorded["llm/vllm"]["runq"], rel=1e-9)
+
+
+def test_cli_reads_the_recorded_series_for_the_rules_window(scene: Scene) -> None:
+    # Asked for the window the rules record, over the same services; any other
+    # window (the CLI run as users run it: the shipped rules record 5 m) re-sums
+    # the raw counters.
+    assert set(scene.recorded) == set(scene.attribution)
+    assert {r["source"] for r in scene.recorded.values()} == {"prometheus_recorded"}
+    assert {r["source"] for r in scene.attribution.values()} == {"prometheus"}
+    assert {r["source"] for r in scene.cli.values()} == {"prometheus"}
+    # The window ends at the rules' last evaluation before the moment asked.
+    (end,) = {r["end"] for r in scene.recorded.values()}
+    assert scene.at - SCRAPE_S <= end <= scene.at and {r["start"] for r in scene.recorded.values()} == {end - SINCE}
 
 
 def test_recording_rules_pass_promtool() -> None:
