@@ -21,6 +21,7 @@ linearly from the largest two points (the assumptions are printed with them).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from typing import Any
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import export_budget
+from bench import export_budget, plots, report
 from tests.support.agent import REPO, SLATRACE, http_get
 from tests.support.fleet import FleetSpec
 from tests.support.fleet_server import prometheus_targets, running_fleet
@@ -147,7 +148,7 @@ def run_point(nodes: int, services: int, progress: Callable[[str], None], warm_s
     fleet_eval = [s["groups"].get(FLEET_GROUP, 0.0) for s in samples]
     all_eval = [sum(s["groups"].values()) for s in samples]
     return {
-        "nodes": nodes, "services_per_node": services, "measured": started,
+        "nodes": nodes, "services_per_node": services, "started": started,
         "nodes_up": int(float(up[0]["value"][1])) if up else 0,
         "failed_scrapes": int(float(failed[0]["value"][1])) if failed else 0,
         "scrape_p99_s": float(scrape_s[0]["value"][1]) if scrape_s else None,
@@ -219,6 +220,7 @@ def run(nodes: list[int], services: int, progress: Callable[[str], None], warm_s
 
 def failed_share(p: dict[str, Any], settings: dict[str, Any]) -> float:
     """Failed scrapes over the scrapes the point should have made."""
+    settings = settings | p.get("settings", {})   # a row kept from an earlier run: its own
     expected = p["nodes"] * (settings["warm_s"] + settings["measure_s"]) / settings["scrape_s"]
     return p["failed_scrapes"] / expected if expected else 0.0
 
@@ -290,9 +292,11 @@ def render(res: dict[str, Any], image: str | None) -> str:
            "exporter in the background just before its scrape (*node server*: its processes' CPU, and the scrapes it "
            "had to render when they came beyond each node's first, its renderer behind). The CLI times say which "
            "path it took: *recorded* (the fleet rules' 5 m series) or *raw* (every node's counters re-summed).")
-    if len({p.get("measured") for p in points}) > 1:
-        intro += " Rows measured at different times: " + "; ".join(
-            f"{p['nodes']:,} nodes {p.get('measured', 'before')}" for p in points) + "."
+    kept = [p for p in points if p.get("kept_from")]
+    if kept:
+        intro += (" Rows kept from an earlier run (this one did not measure those node counts): "
+                  + "; ".join(f"{p['nodes']:,} nodes measured {p['kept_from']}" for p in kept)
+                  + f"; the other rows measured by this run, from {m['date']}.")
     out = [intro, ""]
     out += ["| nodes | head series | series / node | samples / s | Prometheus RSS MiB | Prometheus CPU % | "
             "rule groups' evaluation (Prometheus's own, median / max; fleet group) | samples one round of the "
@@ -315,17 +319,20 @@ def render(res: dict[str, Any], image: str | None) -> str:
                    f"{_mib(e['rss_bytes'])} | | {e['rule_eval_all_s']:.1f} s; {e['rule_eval_fleet_s']:.1f} s | "
                    f"{e['rule_samples_all']:,.0f} | {e['rule_query_s_all']:.1f} s | {e['cli_all_s']:.1f} s | "
                    f"{e['cli_one_s']:.1f} s | | | | |")
-    starved = ", ".join(f"{p['nodes']:,}" for p in points if failed_share(p, s) > 0.02)
+    starved = ", ".join(f"{p['nodes']:,}" + (f" (other work {p['others_cpu_pct']:.0f}%)"
+                                             if p.get("others_cpu_pct") is not None else "")
+                        for p in points if failed_share(p, s) > 0.02)
     if starved:
         out += ["", "Failed scrapes are timeouts: the node server and Prometheus, both at nice 10, did not get "
-                f"the CPU they needed beside the machine's other work at {starved} nodes. There the "
+                f"the CPU they needed at {starved} nodes. There the "
                 "samples appended, rule and CLI times measure the starved machine, not the work; the series and "
                 "memory stand (a node's series exist once it has been scraped)."]
     if e.get("rss_bytes") is not None:
         out += ["", f"Extrapolated to {e['nodes']:,} nodes: head series on a straight line through the points; "
                 f"samples/s as those series every {s['scrape_s']} s (a Prometheus that keeps up); memory on a "
                 f"straight line in the series; the rules' samples, rule and CLI times in proportion to the nodes "
-                f"from the {e['basis_nodes']:,}-node point (the one whose scrapes failed least)."]
+                f"from the {e['basis_nodes']:,}-node point (the one whose scrapes failed least): for the CLI's "
+                "recorded path an upper bound, since only its raw part (I/O wait, migrations) grows with the nodes."]
     out += ["", "Series one node exports (the exporter alone, bench/export_budget.py):", "",
             "| services on the node | budget on (buckets only for SLO/rule services: none here) | "
             "every service with buckets (`histograms: [\"*\"]`) |", "|---:|---:|---:|"]
@@ -345,3 +352,43 @@ def render(res: dict[str, Any], image: str | None) -> str:
     if image:
         out += ["", f"![fleet cost against the number of nodes]({image})"]
     return "\n".join(out) + "\n"
+
+
+def keep_rows(res: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """`res` with the fleet points of `earlier` (another run's raw results)
+    whose node counts it did not measure, each marked with when and at which
+    commit it was measured; the extrapolation and the target made again."""
+    doc = res["fleet"]
+    measured = {p["nodes"] for p in doc["points"]}
+    m = earlier["machine"]
+    for p in earlier["fleet"]["points"]:
+        if p["nodes"] not in measured:
+            doc["points"].append(p.get("kept_from") and p or p | {
+                "kept_from": f"{m['date']}, commit {m['commit']}, with `{m['command']}`",
+                "settings": {k: earlier["fleet"]["settings"][k] for k in ("warm_s", "measure_s", "scrape_s")}})
+    doc["extrapolated"] = extrapolated(doc)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the fleet section of BENCHMARKS.md and its plot again from raw
+    results, keeping the rows of an earlier run the newer one did not measure
+    (a run of the largest fleet alone, when the whole run does not fit)."""
+    p = argparse.ArgumentParser(prog="python -m bench.fleet", description=main.__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, help="bench-results/bench-*.json of the run with the fleet section")
+    p.add_argument("--keep-rows-from", type=Path, metavar="EARLIER.json", required=True,
+                   help="an earlier run's raw results whose other node counts stay in the table")
+    args = p.parse_args(argv)
+    res = keep_rows(json.loads(args.results.read_text()), json.loads(args.keep_rows_from.read_text()))
+    merged = args.results.with_name(args.results.stem + "-kept.json")
+    merged.write_text(json.dumps(res, indent=2) + "\n")
+    image = plots.fleet(res["fleet"], REPO / "docs" / "bench" / "fleet.png")
+    md = render(res, image.relative_to(REPO).as_posix())
+    report.update_markdown(REPO / "BENCHMARKS.md", md, FLEET_BEGIN, FLEET_END, "Fleet results")
+    print(md)
+    print(f"raw results: {merged.relative_to(REPO)}; BENCHMARKS.md updated")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -99,13 +99,19 @@ def _by_service(rows: list[tuple[dict[str, str], float]]) -> dict[str, float]:
 
 def recorded_moment(prom: PrometheusQuery, at: float, service: str | None = None,
                     max_age: float = RECORDED_MAX_AGE_S) -> float | None:
-    """When the fleet rules last recorded the service's (or any) figures, at
-    or before `at`; None when they hold none that fresh."""
+    """The last evaluation, at or before `at`, at which the fleet rules
+    recorded every series read here for the service (or all); None when they
+    hold none that fresh. A group's rules are written one after another with
+    the evaluation's timestamp: the oldest of each series' newest sample is
+    the last evaluation all of them have finished."""
     sel = f'{{service="{service}"}}' if service else ""
-    rows = prom.vector(f"max(timestamp({RECORDED['count'][0]}{sel}))", at)
-    if not rows or not at - max_age <= rows[0][1] <= at:
-        return None
-    return rows[0][1]
+    series = [RECORDED["count"][0]] + [s for k, (s, _) in RECORDED.items() if k != "count"] + [RECORDED_BUCKETS]
+    with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
+        newest = list(pool.map(lambda s: prom.vector(f"max(timestamp({s}{sel}))", at), series))
+    if not newest[0]:
+        return None   # no run-queue figures recorded: the rules are not loaded (or not for it)
+    moment = min(rows[0][1] for rows in newest if rows)
+    return moment if at - max_age <= moment <= at else None
 
 
 def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = None,

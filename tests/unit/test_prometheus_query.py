@@ -43,8 +43,10 @@ RECORDED = {"service:slatrace_runq_latency_seconds_count:rate5m": "count",
 
 
 class FakePrometheus:
-    def __init__(self, recorded_at: float | None) -> None:
+    def __init__(self, recorded_at: float | None, newer: dict[str, float] | None = None) -> None:
+        # recorded_at: the rules' last evaluation; newer: series already written by the next one
         self.recorded_at = recorded_at
+        self.newer = newer or {}
         self.asked: list[tuple[str, float]] = []
 
     def _clock(self) -> float:
@@ -54,8 +56,9 @@ class FakePrometheus:
         self.asked.append((expr, at))
         only = re.search(r'service="([^"]+)"', expr)
         services = [s for s in TOTALS if only is None or s == only.group(1)]
-        if expr.startswith("max(timestamp("):
-            return [] if self.recorded_at is None or self.recorded_at > at else [({}, self.recorded_at)]
+        if m := re.match(r"max\(timestamp\(([\w:]+)", expr):
+            at_most = [t for t in (self.newer.get(m.group(1)), self.recorded_at) if t is not None and t <= at]
+            return [({}, at_most[0])] if at_most else []
         if m := re.match(r'max by \(service\) \(slatrace_runq_latency_quantile_seconds\{quantile="([\d.]+)"', expr):
             return [({"service": s}, TOTALS[s][f"g{m.group(1)}"]) for s in services if f"g{m.group(1)}" in TOTALS[s]]
         if m := re.match(r"histogram_quantile\(([\d.]+), sum by \(service, le\) \(([\w:]+)", expr):
@@ -113,8 +116,9 @@ def test_recorded_series_give_the_raw_answer_and_end_at_their_evaluation() -> No
     assert [b["service"] for b in shop["preemption"]["by"]] == ["batch/worker", "ads/api"]
     assert (shop["start"], shop["end"]) == (NOW - 10 - WINDOW, NOW - 10)
     # Every figure, recorded or raw, over the window that ends at the rules' evaluation.
-    assert {at for _, at in fresh.asked[1:]} == {NOW - 10}
-    raw_left = [e for e, _ in fresh.asked[1:] if "increase(" in e]
+    asked = [(e, at) for e, at in fresh.asked if not e.startswith("max(timestamp(")]
+    assert {at for _, at in asked} == {NOW - 10}
+    raw_left = [e for e, _ in asked if "increase(" in e]
     assert raw_left and all(re.search(r"iowait|migrations|throttled", e) for e in raw_left)
 
 
@@ -140,3 +144,13 @@ def test_one_service_asks_for_its_own_recorded_series() -> None:
     # Without buckets: the nodes' own quantiles, as on the raw path.
     assert doc["attribution"][0]["runq"]["p99"] == 0.006
     assert all('service="batch/worker"' in e for e, _ in prom.asked)
+
+
+def test_an_evaluation_still_being_written_is_not_read() -> None:
+    # The rules' next evaluation has written the first series of the group
+    # but not yet the culprits: every figure is read at the one before.
+    prom = FakePrometheus(NOW - 20, newer={"service:slatrace_runq_latency_seconds_count:rate5m": NOW - 5,
+                                           "service_le:slatrace_runq_latency_seconds_bucket:rate5m": NOW - 5})
+    doc = fleet_attribution(prom, WINDOW)
+    assert {r["end"] for r in doc["attribution"]} == {NOW - 20}
+    assert {at for e, at in prom.asked if not e.startswith("max(timestamp(")} == {NOW - 20}
