@@ -165,6 +165,19 @@ class CpuTimeline:
             i += 1
         return idle, svc, other
 
+    def ran(self, start: int, end: int, pids: set[int]) -> int:
+        """Time inside [start, end] the CPU ran one of `pids`."""
+        out = 0
+        i = bisect.bisect_right(self.ts, start) - 1
+        t = start
+        while t < end:
+            upto = min(self.ts[i + 1] if i + 1 < len(self.ts) else end, end)
+            if i >= 0 and self.pid[i] in pids:
+                out += upto - t
+            t = upto
+            i += 1
+        return out
+
 
 def _switch_ins(tids: set[int]) -> dict[int, int]:
     """How many times each thread has been switched in (schedstat's third field)."""
@@ -362,6 +375,11 @@ def measure(probe, seconds: float = 3.0, neighbour: bool = False, cpu: int = LIM
         "service_in_waits_ns": sum(v[1] for v in split.values()),
         "other_in_waits_ns": sum(v[2] for v in split.values()),
         "neighbour_in_waits_ns": sum(ns for pid, ns in others if pid in nb_tids),
+        # The neighbour's running beyond each wait's limit part, in the waits
+        # no thread of the service preempted (those are its own threads' by
+        # design: the preemptor is the culprit of a preempted wait).
+        "neighbour_beyond_limit_ns": sum(max(0, line.ran(s.start_ns, s.end_ns, nb_tids) - a.limit_ns)
+                                         for s, a in pairs if s.preemptor not in tids),
         "others_in_waits": [(pid, line.comm.get(pid, "?"), ns) for pid, ns in others[:6]],
         "unpaired": len(missing),
         # Each paired wait: (tid, start from the span's, the reference's
@@ -435,7 +453,8 @@ def summary(doc: dict, emulated: bool = False) -> str:
             f"{doc['limited_runq']} waits (stream {doc['limit_events_ns'] / ms:.1f} ms in {doc['limit_events']}); "
             f"{doc['threads']} x cpu.stat {n_thr / ms:.1f} ms (ratio {doc['limited_runq_ns'] / max(n_thr, 1):.4f}); "
             f"reference: idle inside the waits {doc['idle_in_waits_ns'] / ms:.1f} ms, others "
-            f"{doc['other_in_waits_ns'] / ms:.1f} ms (neighbour {doc['neighbour_in_waits_ns'] / ms:.1f}; "
+            f"{doc['other_in_waits_ns'] / ms:.1f} ms (neighbour {doc['neighbour_in_waits_ns'] / ms:.1f}, of which "
+            f"{doc.get('neighbour_beyond_limit_ns', 0) / ms:.1f} beyond the limit parts of waits it preempted; "
             f"limit / upper bound {doc['limited_runq_ns'] / max(upper, 1):.4f}); waits agent {doc['agent_waits']} "
             f"{doc['runq_ns'] / ms:.1f} ms, reference {doc['reference_waits']} {doc['reference_wait_ns'] / ms:.1f} ms, "
             f"unpaired {doc['unpaired']}, switches never traced {doc['untraced']}; per wait: "
@@ -494,11 +513,14 @@ def judge(doc: dict, where: str, emulated: bool, neighbour_share: float | None =
         assert doc["limited_runq_ns"] >= (1 - UPPER_REL) * upper, f"{where}: {summary(doc, emulated)}"
         return
     # Beside the neighbour the CPU runs it while the limit holds the service,
-    # and the rest of the waits is the neighbour's doing: at least the
-    # neighbour's running inside them beyond the limit's part.
+    # and the rest of the waits the neighbour preempted (or held after a
+    # wake-up) is the neighbour's doing: at least the neighbour's running
+    # inside them beyond each one's limit part. (In a wait a sibling
+    # preempted, the neighbour may run too, when it takes the CPU from the
+    # sibling; such a wait is the service's own threads', as the preemptor.)
     blame = {name: ns for name, (_, ns) in doc["blame"].items()}
     nb = blame.get("neighbour", 0)
-    assert nb >= doc["neighbour_in_waits_ns"] - doc["limited_runq_ns"] - tol, f"{where}: {summary(doc, emulated)}"
+    assert nb >= doc["neighbour_beyond_limit_ns"] - tol, f"{where}: {summary(doc, emulated)}"
     if neighbour_share is None:
         return
     in_scene = doc["runq_ns"] - doc["limited_runq_ns"] - blame.get("other", 0) - blame.get("kernel", 0)

@@ -271,7 +271,10 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     assert doc["wakeups"] > 300, f"{where}: the victim hardly woke up; the scene is broken: {doc}"
     # About one wake-up in SKIP was skipped, and its wait recovered.
     assert doc["untraced_wakeup"] > doc["wakeups"] / doc["skip"] / 2, f"{where}: {doc}"
-    assert doc["recovered_wakeup"] >= 0.98 * doc["untraced_wakeup"], f"{where}: {doc}"
+    # A guest skips ~100 wake-ups in all, where the emulator's slow
+    # reschedules leave a couple unrecoverable (above): two more are allowed.
+    unrecovered = doc["untraced_wakeup"] - doc["recovered_wakeup"]
+    assert unrecovered <= 0.02 * doc["untraced_wakeup"] + (2 if emulated else 0), f"{where}: {doc}"
     # Without the recovery about 1 in SKIP of the waits after a wake-up would
     # be missing. (The go's wake-up ends a sleep the programs saw and the
     # reference, which starts there, did not.)

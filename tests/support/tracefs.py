@@ -579,6 +579,7 @@ class WaitSpan(NamedTuple):
     wake_cpu: int    # the CPU that traced the wakeup / switch-out
     cpu: int         # the CPU it was switched in on
     prev_pid: int    # who held that CPU until then (0: the CPU was idle)
+    preemptor: int = -1  # who took the CPU when it was preempted (-1: it woke up instead)
 
 
 class Preemption(NamedTuple):
@@ -707,7 +708,8 @@ def reference(events: Sequence[TraceEvent], pids: Iterable[int] | None,
                             wait = now - n.ts
                             ref.runq_waits_ns.append(wait)
                             ref.waits_by_tid.setdefault(nxt, []).append(wait)
-                            ref.spans.append(WaitSpan(nxt, n.ts, now, n.cpu, ev.cpu, prev))
+                            ref.spans.append(WaitSpan(nxt, n.ts, now, n.cpu, ev.cpu, prev,
+                                                      n.preemptor if n.state == PREEMPTED else -1))
                             if n.state == PREEMPTED:
                                 ref.preemptions.append(Preemption(nxt, n.preemptor, wait))
                                 ref.unknown_preemptor += not n.preemptor_known
