@@ -134,12 +134,18 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None,
     lower = (f" (at least: the event stream dropped {sched.dropped_events} events meanwhile)"
              if sched.dropped_events else "")
     # A limit that held the request too, though less: named, since between
-    # throttles a limited service also waits longer behind others.
+    # throttles a limited service also waits longer behind others, which its
+    # neighbour's share carries (docs/api.md: beside a neighbour of twenty
+    # times its weight, removing vLLM's limit took away three times the
+    # limit's own share).
     limited = next((c for c in ranked[1:] if c.kind == CPU_LIMIT_CAUSE), None)
-    also = (f"; {limit_words(limits or [])} also held it {fmt_seconds(limited.seconds)}"
-            if limited is not None and top.kind != CPU_LIMIT_CAUSE and (
-                limited.seconds >= SIGNIFICANT_SECONDS or limited.seconds >= SIGNIFICANT_SHARE * window)
-            else "")
+    also = ""
+    if limited is not None and top.kind != CPU_LIMIT_CAUSE and (
+            limited.seconds >= SIGNIFICANT_SECONDS or limited.seconds >= SIGNIFICANT_SHARE * window):
+        also = f"; {limit_words(limits or [])} also held it {fmt_seconds(limited.seconds)}"
+        if top.kind == NEIGHBOUR:
+            also += (f", and between throttles it waits longer behind {top.culprit}: removing the limit "
+                     "can take away more than that")
     return f"{what} added {fmt_seconds(top.seconds)}{lower} ({share}){advice}{also}"
 
 

@@ -294,7 +294,12 @@ def test_the_services_own_cpu_limit_is_a_cause_named_with_its_setting():
     both = RequestSched(1.0, 0, (), 0.0, 0, 1e-6, delay_seconds=0.5,
                         delay_by=(("batch", 0.4), ("cpu_limit", 0.08), ("idle", 0.02)), service="vllm")
     assert verdict(span(), both, "vllm", [limit]).endswith(
-        "; its own CPU limit (cpu.max 50000 100000, 0.5 CPU, on the pod's cgroup) also held it 80 ms")
+        "; its own CPU limit (cpu.max 50000 100000, 0.5 CPU, on the pod's cgroup) also held it 80 ms, and "
+        "between throttles it waits longer behind batch: removing the limit can take away more than that")
+    # Second to its own threads: the limit's share is all there is to say.
+    own = RequestSched(1.0, 0, (), 0.0, 0, 1e-6, delay_seconds=0.5,
+                       delay_by=(("vllm", 0.4), ("cpu_limit", 0.08), ("idle", 0.02)), service="vllm")
+    assert verdict(span(), own, "vllm", [limit]).endswith("on the pod's cgroup) also held it 80 ms")
 
 
 def test_shares_are_of_the_requests_window_and_never_above_all_of_it():
