@@ -48,19 +48,16 @@ from functools import partial
 
 import pytest
 
-from tests.support import needs_kernel
-from tests.support.agent import REPO, SLATRACE, Agent, free_port
+from tests.support.agent import REPO, SLATRACE, Agent
 from tests.support.cpu_weight import CpuWeight
 from tests.support.request_reference import SpanIndex, cpu_occupancy, request_window, who_ran
 from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
-from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import Neighbour, ThreadCensus, scene_config, wait_for_requests, worker_cpus
-from tests.support.workload import TestCgroup
+from tests.support.vllm_engine import Engine
+from tests.support.vllm_scene import (MAX_TOKENS, NOISY, PROMPTS, SERVICE, Neighbour, ThreadCensus, stage,
+                                      wait_for_requests, worker_cpus)
 
 pytestmark = pytest.mark.e2e
 
-SERVICE = "vllm-test"
-NOISY = "noisy-test"
 QUOTA_US, PERIOD_US = 50_000, 100_000   # vLLM's own CPU limit: 0.5 CPU
 # The neighbour weighs twenty times vLLM (100), on the CPU of vLLM's model
 # worker: it then adds ~2.4 s to a request, block after block, and the limit
@@ -70,9 +67,6 @@ QUOTA_US, PERIOD_US = 50_000, 100_000   # vLLM's own CPU limit: 0.5 CPU
 # untouched, and the mix of regimes in (c) against (a) and (b) swamped the
 # counterfactuals.)
 NEIGHBOUR_WEIGHT = 2000
-MAX_TOKENS = 32
-PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
-           "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 WARM_UP = 3
 SETTLE_S = 0.3            # after a scene's conditions change, before its requests
 REQUESTS_PER_BLOCK = 2
@@ -256,29 +250,22 @@ def print_table(table: dict) -> None:
 
 @pytest.fixture(scope="module")
 def causes(tmp_path_factory):
-    needs_kernel()
-    needs_engine()
     tmp = tmp_path_factory.mktemp("vllm-causes")
-    model = build_model(tmp / "model")
-    config = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY)
-    grpc_port = free_port()
     t_start = time.monotonic()
-    with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=config, interval=0.5) as agent, \
-            TestCgroup("vllm") as infer, TestCgroup("noisy") as noisy, \
-            CpuWeight("noisy", NEIGHBOUR_WEIGHT, noisy.dir) as weight, \
-            CpuWeight("vllm", 100, infer.dir) as own:
+    with stage(tmp, NEIGHBOUR_WEIGHT) as st:
+        agent, infer, own = st.agent, st.infer, st.own
         # vLLM's processes are in a CPU group of their own from the start (the
         # limit is set on it, as on a pod's cgroup); the reference follows
         # them from their first instruction, as the agent does.
         with ThreadCensus(infer) as census, \
                 TraceRecorder(DEFAULT_EVENTS + ("sched_process_fork",), buffer_kb=131072) as rec, \
-                Engine(infer, model, f"http://127.0.0.1:{grpc_port}", tmp / "vllm.log", on_spawn=own.add) as engine:
+                st.engine() as engine:
             startup_s = engine.startup_s
             for i in range(WARM_UP):  # first requests compile and allocate
                 engine.complete(PROMPTS[i], MAX_TOKENS)
             offset_ns = time.time_ns() - time.monotonic_ns()
             cpus = worker_cpus(infer)
-            neighbour = partial(Neighbour, noisy, weight, cpus, SETTLE_S)
+            neighbour = partial(Neighbour, st.noisy, st.weight, cpus, SETTLE_S)
             requests, blocks = run_blocks(engine, own, neighbour)
             got = wait_for_requests(agent, SERVICE, {r["request_id"] for r in requests})
             missing = [r["request_id"] for r in requests if r["request_id"] not in got]

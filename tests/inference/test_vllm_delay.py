@@ -27,29 +27,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.support import needs_kernel
-from tests.support.agent import REPO, SLATRACE, Agent, free_port
-from tests.support.cpu_weight import CpuWeight
+from tests.support.agent import REPO, SLATRACE
 from tests.support.request_reference import (SpanIndex, clipped_waits, cpu_occupancy, is_critical, request_window,
                                              union_ns, who_ran)
 from tests.support.tracefs import DEFAULT_EVENTS, TraceRecorder, reference
-from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import (Neighbour, ThreadCensus, interleaved, scene_config, wait_for_engine,
-                                      wait_for_requests, worker_cpus)
-from tests.support.workload import TestCgroup
+from tests.support.vllm_engine import Engine
+from tests.support.vllm_scene import (MAX_TOKENS, NOISY, PROMPTS, SERVICE, Neighbour, ThreadCensus, interleaved, stage,
+                                      wait_for_engine, wait_for_requests, worker_cpus)
 
 pytestmark = pytest.mark.e2e
 
-SERVICE = "vllm-test"
-NOISY = "noisy-test"
 NEIGHBOUR_WEIGHT = 1000          # cgroup v2 units: 10x the default 100 vLLM runs at
-MAX_TOKENS = 32
 BLOCKS = 3                       # with/without alternations (a busy 2-CPU machine is noisy)
 SEQUENTIAL_PER_BLOCK = 3
 CLIENTS = 3                      # the concurrent batch
 CONCURRENT_ROUNDS = 2
-PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
-           "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 REL, ABS = 0.30, 0.020           # the counterfactual's tolerance
 WARM_UP = 3
 
@@ -77,25 +69,16 @@ def run_concurrent(engine: Engine, mode: str, batch: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def scene(tmp_path_factory):
-    needs_kernel()
-    needs_engine()
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = build_model(tmp / "model")
-    config = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY,
-                          f"slos:\n  - service: {SERVICE}\n    request_e2e_p99: 0.5\n")
-    grpc_port = free_port()
     timings = {}
-    with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=config, interval=0.5) as agent, \
-            TestCgroup("vllm") as infer, TestCgroup("noisy") as noisy, \
-            CpuWeight("noisy", NEIGHBOUR_WEIGHT, noisy.dir) as weight, \
-            CpuWeight("vllm", 100, infer.dir) as own_weight:
+    with stage(tmp_path_factory.mktemp("vllm"), NEIGHBOUR_WEIGHT,
+               f"slos:\n  - service: {SERVICE}\n    request_e2e_p99: 0.5\n") as st:
+        agent, infer = st.agent, st.infer
         # vLLM weighs the default, in a group of its own, as a pod does: it shares
         # no CPU group with this test, the agent and the tracefs reader. The
         # reference follows it from its first instruction, as the agent does.
         with ThreadCensus(infer) as census, \
                 TraceRecorder(DEFAULT_EVENTS + ("sched_process_fork",), buffer_kb=131072) as rec, \
-                Engine(infer, model, f"http://127.0.0.1:{grpc_port}", tmp / "vllm.log",
-                       on_spawn=own_weight.add) as engine:
+                st.engine() as engine:
             timings["engine_startup_s"] = engine.startup_s
             for i in range(WARM_UP):  # first requests compile and allocate
                 engine.complete(PROMPTS[i], MAX_TOKENS)
@@ -104,7 +87,7 @@ def scene(tmp_path_factory):
             # The neighbour shares the CPUs vLLM pins its model worker to.
             cpus = worker_cpus(infer)
             offset_ns = time.time_ns() - time.monotonic_ns()
-            neighbour = partial(Neighbour, noisy, weight, cpus)
+            neighbour = partial(Neighbour, st.noisy, st.weight, cpus)
             requests = interleaved(BLOCKS, neighbour, lambda mode, block: run_sequential(
                 engine, SEQUENTIAL_PER_BLOCK, mode, "sequential"))
             requests += interleaved(CONCURRENT_ROUNDS, neighbour, lambda mode, block: run_concurrent(

@@ -61,25 +61,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import needs_kernel
-from tests.support.agent import Agent, free_port, http_get
-from tests.support.cpu_weight import CpuWeight
+from tests.support.agent import Agent, http_get
 from tests.support.event_drops import DropSampler
-from tests.support.vllm_engine import Engine, build_model, needs_engine
-from tests.support.vllm_scene import (Neighbour, interleaved, process_cpu_ns, process_cpus, process_titles,
-                                      scene_config, wait_for_requests)
-from tests.support.workload import TestCgroup
+from tests.support.vllm_engine import Engine
+from tests.support.vllm_scene import (MAX_TOKENS, NOISY, PROMPTS, SERVICE, Neighbour, interleaved, process_cpu_ns,
+                                      process_cpus, process_titles, stage, wait_for_requests)
 
 pytestmark = pytest.mark.e2e
 
-SERVICE = "vllm-test"
-NOISY = "noisy-test"
 NEIGHBOUR_WEIGHT = 1000          # cgroup v2 units: 10x the default 100 vLLM runs at
-MAX_TOKENS = 32
 BLOCKS = 6                       # with/without alternations (a busy 2-CPU machine is noisy)
 REQUESTS_PER_BLOCK = 4           # for DP, by turns to each engine core
-PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
-           "The quick brown fox jumps over the lazy dog.", "one two three four five"]
 REL, ABS = 0.30, 0.020           # the counterfactual's tolerance,
 NOISE_Z = 2.0                    # or this many standard errors of the measurement, where it is noisier
 WARM_UP = 4
@@ -268,20 +260,12 @@ def agent_dropped_counter(agent: Agent) -> int:
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def scene(request, tmp_path_factory):
-    needs_kernel()
-    needs_engine()
     layout = LAYOUTS[request.param]
     tmp = tmp_path_factory.mktemp(f"vllm-{layout.name}")
-    model = build_model(tmp / "model", layout.heads)
-    config = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY)
-    grpc_port = free_port()
     t_start = time.monotonic()
-    with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=config, interval=0.5) as agent, \
-            TestCgroup("vllm") as infer, TestCgroup("noisy") as noisy, \
-            CpuWeight("noisy", NEIGHBOUR_WEIGHT, noisy.dir) as weight, \
-            CpuWeight("vllm", 100, infer.dir) as own_weight, \
-            Engine(infer, model, f"http://127.0.0.1:{grpc_port}", tmp / "vllm.log", on_spawn=own_weight.add,
-                   extra_args=layout.args, env=ENGINE_ENV) as engine:
+    with stage(tmp, NEIGHBOUR_WEIGHT, heads=layout.heads) as st, \
+            st.engine(extra_args=layout.args, env=ENGINE_ENV) as engine:
+        agent, infer = st.agent, st.infer
         for i in range(WARM_UP):  # first requests compile and allocate, on every engine core
             engine.complete(PROMPTS[i % len(PROMPTS)], MAX_TOKENS,
                             headers={"X-data-parallel-rank": str(i % layout.engines)} if layout.engines else None)
@@ -291,7 +275,7 @@ def scene(request, tmp_path_factory):
         assert len(neighbour_cpus) == 1 and len({c for cs in cpus.values() for c in cs}) == 2, \
             f"the ranks are not one per CPU: {cpus}"
         pids = rank_pids(titles, layout)
-        neighbour = partial(Neighbour, noisy, weight, neighbour_cpus, SETTLE_S)
+        neighbour = partial(Neighbour, st.noisy, st.weight, neighbour_cpus, SETTLE_S)
         t_scene = time.monotonic()
         with DropSampler(agent.proc.pid) as drops:
             requests = interleaved(BLOCKS, neighbour, partial(send_block, engine, layout, pids))

@@ -14,12 +14,16 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from tests.support.agent import Agent, http_get
+from tests.support import needs_kernel
+from tests.support.agent import Agent, free_port, http_get
 from tests.support.cpu_weight import CpuWeight
+from tests.support.vllm_engine import Engine, build_model, needs_engine
 from tests.support.workload import TestCgroup, hog_argv
 
 WORKER = "VLLM::Worker"   # the model worker's process name (pinned to its CPUs)
@@ -35,6 +39,51 @@ def scene_config(path: Path, service: str, noisy: str, extra: str = "") -> Path:
                     f"  - name: {service}\n    cgroup: \"/slatrace-test-vllm-{os.getpid()}-*\"\n"
                     f"  - name: {noisy}\n    cgroup: \"/slatrace-test-noisy-{os.getpid()}-*\"\n" + extra)
     return path
+
+
+SERVICE = "vllm-test"      # the engine's service in the agent's config
+NOISY = "noisy-test"       # its neighbour's
+MAX_TOKENS = 32
+PROMPTS = ["Hello, how are you today?", "Tell me a story about a scheduler.",
+           "The quick brown fox jumps over the lazy dog.", "one two three four five"]
+
+
+@dataclass
+class Stage:
+    """The agent, vLLM's cgroup and its neighbour's, each in a CPU group of its
+    own (as pods are), and the tiny model: what every vLLM scene stands on."""
+
+    tmp: Path
+    model: Path
+    agent: Agent
+    grpc_port: int
+    infer: TestCgroup          # vLLM's processes
+    noisy: TestCgroup          # the neighbour's
+    weight: CpuWeight          # the neighbour's CPU weight
+    own: CpuWeight             # vLLM's CPU group (weight 100: the default), where its limit is set
+
+    def engine(self, **kwargs: Any) -> Engine:
+        """vLLM in its cgroup and CPU group, sending its spans to the agent."""
+        return Engine(self.infer, self.model, f"http://127.0.0.1:{self.grpc_port}", self.tmp / "vllm.log",
+                      on_spawn=self.own.add, **kwargs)
+
+
+@contextmanager
+def stage(tmp: Path, neighbour_weight: int, config: str = "", heads: int = 1) -> Iterator[Stage]:
+    """A Stage under `tmp`: the neighbour's CPU group weighs `neighbour_weight`
+    (vLLM's the default 100), `config` is added to the agent's config file and
+    the model has `heads` attention heads. Skips (fails in CI) without the
+    kernel's prerequisites or the vLLM venv."""
+    needs_kernel()
+    needs_engine()
+    model = build_model(tmp / "model", heads)
+    path = scene_config(tmp / "slatrace.yaml", SERVICE, NOISY, config)
+    grpc_port = free_port()
+    with Agent("--otlp-grpc-listen", f"127.0.0.1:{grpc_port}", config=path, interval=0.5) as agent, \
+            TestCgroup("vllm") as infer, TestCgroup("noisy") as noisy, \
+            CpuWeight("noisy", neighbour_weight, noisy.dir) as weight, \
+            CpuWeight("vllm", 100, infer.dir) as own:
+        yield Stage(tmp, model, agent, grpc_port, infer, noisy, weight, own)
 
 
 def thread_names(cgroup: TestCgroup) -> dict[int, tuple[int, str, str]]:
