@@ -38,6 +38,7 @@ from agent.identity.threads import ThreadNames
 from agent.identity.kubernetes import PodIndex, PodWatcher
 from agent.identity.services import ServiceResolver
 from agent.probe import features as feat
+from agent.probe.build import BuildProcess
 from agent.probe.snapshot import ProbeSnapshot
 from agent.reload import ConfigReloader, ConfigSubscribers
 from agent.store.events import EventLog
@@ -98,9 +99,10 @@ class RunOptions:
 
 
 class Daemon:
-    def __init__(self, config: Config, options: RunOptions) -> None:
+    def __init__(self, config: Config, options: RunOptions, builder: BuildProcess | None = None) -> None:
         self.config = config
         self.options = options
+        self._builder = builder   # the BPF build process, if started ahead (start() takes it)
         self.stop_event = threading.Event()
         self.store = Store(config.retention, max_services=config.max_services,
                            reserved=frozenset(r.name for r in config.services))
@@ -183,24 +185,30 @@ class Daemon:
             host, port = parse_listen(self.options.listen, "--listen")
         except ValueError as e:
             raise StartupError(str(e)) from None
-        self._access = self._load_web_config()
-        # Prerequisites before binding anything: an unprivileged start must fail
-        # on what matters, not on the port.
-        try:
-            features = feat.detect()
-        except feat.FeatureError as e:
-            raise StartupError(str(e)) from None
-        from agent.probe.loader import (  # noqa: PLC0415  (imports numpy)
-            MapMemoryError, MapSizes, Probe, attach_mode, events_per_window)
-
-        try:
-            mode = attach_mode(features, self.config.attach_mode)
-        except ValueError as e:
-            raise StartupError(f"{e}; use --attach-mode classic (or auto)") from None
-        # BCC compiles and attaches in a process of its own (agent/probe/build.py)
-        # while the rest of the agent starts here.
+        # BCC compiles and attaches in a process of its own (agent/probe/build.py),
+        # started first: it imports BCC while this one reads its files and the
+        # kernel's features, then compiles while the rest of the agent starts.
         t0 = time.monotonic()
-        self._probe_load = Probe.begin_load(features, tracepoints=mode,
+        builder, self._builder = self._builder or BuildProcess(), None
+        try:
+            self._access = self._load_web_config()
+            # Prerequisites before binding anything: an unprivileged start must fail
+            # on what matters, not on the port.
+            try:
+                features = feat.detect()
+            except feat.FeatureError as e:
+                raise StartupError(str(e)) from None
+            from agent.probe.loader import (  # noqa: PLC0415  (imports numpy)
+                MapMemoryError, MapSizes, Probe, attach_mode, events_per_window)
+
+            try:
+                mode = attach_mode(features, self.config.attach_mode)
+            except ValueError as e:
+                raise StartupError(f"{e}; use --attach-mode classic (or auto)") from None
+        except BaseException:
+            builder.cancel()
+            raise
+        self._probe_load = Probe.begin_load(features, tracepoints=mode, process=builder,
                                             sizes=MapSizes(event_rate=events_per_window(self.config.event_rate)))
         self._otlp_metrics = self._make_otlp_metrics()
         raise_fd_limit()
@@ -464,8 +472,9 @@ class UnknownSloWarnings:
         return missing
 
 
-def run(config: Config, options: RunOptions) -> int:
-    daemon = Daemon(config, options)
+def run(config: Config, options: RunOptions, builder: BuildProcess | None = None) -> int:
+    """The agent until SIGTERM; `builder`: its BPF build process, started ahead."""
+    daemon = Daemon(config, options, builder)
     reloader = ConfigReloader(options.config_path, dict(options.config_overrides), lambda: daemon.config,
                               daemon.apply_config, tick=daemon.housekeeping,
                               # SIGHUP still reloads a web config given by flag alone.

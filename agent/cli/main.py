@@ -98,6 +98,18 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # The BPF build process first: it imports BCC while this process imports
+    # the agent and reads its config (agent/probe/build.py).
+    from agent.probe.build import BuildProcess  # noqa: PLC0415
+
+    builder = BuildProcess()
+    try:
+        return _run(args, builder)
+    finally:
+        builder.cancel()   # a no-op once the build has answered
+
+
+def _run(args: argparse.Namespace, builder) -> int:
     # gRPC's C core logs its own copy of errors the agent reports in one
     # sentence (a port in use); keep stderr to that sentence unless asked.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
@@ -133,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          otlp_protocol=args.otlp_protocol, config_path=args.config,
                          config_overrides=tuple(overrides.items()), bpf_stats=args.bpf_stats,
                          web_config_file=args.web_config_file)
-    return run(config, options)
+    return run(config, options, builder)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -85,25 +85,47 @@ class Built:
         self.attachments, self.programs, self.maps = [], {}, {}
 
 
-class PendingBuild:
-    """The child at work; result() takes what it hands over, cancel() stops it.
-    The agent does the rest of its start-up meanwhile."""
+class BuildProcess:
+    """The child, started before the agent knows what to ask: it imports BCC
+    (~0.2 s) while the agent reads its config and the kernel's features, then
+    waits for its one request. cancel() stops it if none comes."""
 
-    def __init__(self, src: Path, cflags: list[str], mode: str, trace_ids: dict[str, int]) -> None:
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # This process's own agent package first, not one the working directory may hold.
         root = str(Path(agent.__file__).resolve().parent.parent)
         code = f"import sys; sys.path.insert(0, {root!r}); from agent.probe.build import main; main(sys.argv[1:])"
         try:
-            self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())],
-                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         except BaseException:
-            self._sock.close()
+            self.sock.close()
             raise
         finally:
             theirs.close()
-        self._sock.sendall(json.dumps({"src": str(src), "cflags": cflags, "mode": mode,
-                                       "trace_ids": trace_ids}).encode())
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.sock.close()
+
+
+class PendingBuild:
+    """The child at work; result() takes what it hands over, cancel() stops it.
+    The agent does the rest of its start-up meanwhile. `process`: a child
+    started ahead (BuildProcess), else one is started here."""
+
+    def __init__(self, src: Path, cflags: list[str], mode: str, trace_ids: dict[str, int],
+                 process: BuildProcess | None = None) -> None:
+        process = process or BuildProcess()
+        self._sock, self._proc = process.sock, process.proc
+        try:
+            self._sock.sendall(json.dumps({"src": str(src), "cflags": cflags, "mode": mode,
+                                           "trace_ids": trace_ids}).encode())
+        except OSError:
+            process.cancel()
+            raise BuildError(_no_answer(self._proc.returncode or 0)) from None
 
     def cancel(self) -> None:
         if self._proc.poll() is None:
@@ -221,7 +243,16 @@ def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[0]))
     status = 0
     try:
-        request = json.loads(sock.recv(MAX_MESSAGE))
+        try:  # imported before the request comes, while the agent is still starting
+            import bcc  # noqa: F401, PLC0415
+
+            import agent.probe.tracing  # noqa: F401, PLC0415
+        except Exception:  # noqa: BLE001  (the compile imports them again and answers with the reason)
+            pass
+        message = sock.recv(MAX_MESSAGE)
+        if not message:  # the agent gave up before asking (a bad config, no privileges)
+            os._exit(0)
+        request = json.loads(message)
         try:
             reply, fds = _compile_and_attach(request)
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception; the message goes to the agent)

@@ -25,7 +25,7 @@ from agent.probe.features import ATTACH_MODES, Features
 import numpy as np
 
 from agent.probe.bpfsys import BpfMap, possible_cpus
-from agent.probe.build import Built, BuildError, MapMemoryError, PendingBuild
+from agent.probe.build import Built, BuildError, BuildProcess, MapMemoryError, PendingBuild
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
                                 TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, EVENT_ROW, HIST_ROW, KERNEL_CGID,
@@ -182,11 +182,12 @@ class Probe:
 
     @classmethod
     def begin_load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
-                   skip_wakeups: int = 0) -> "ProbeLoad":
+                   skip_wakeups: int = 0, process: BuildProcess | None = None) -> "ProbeLoad":
         """load(), started: the compile runs in its own process while the
-        caller goes on; ProbeLoad.result() gives the Probe."""
+        caller goes on; ProbeLoad.result() gives the Probe. `process`: a build
+        process started ahead (it has imported BCC meanwhile)."""
         return ProbeLoad(cls, features, sizes, attach_mode(features, tracepoints), tracepoints == "auto",
-                         skip_wakeups)
+                         skip_wakeups, process)
 
     @property
     def build_peak_bytes(self) -> int | None:
@@ -491,8 +492,9 @@ class ProbeLoad:
     (agent/probe/build.py); result() waits for it, cancel() stops it."""
 
     def __init__(self, probe_cls: type[Probe], features: Features, sizes: MapSizes, mode: str, fall_back: bool,
-                 skip_wakeups: int) -> None:
+                 skip_wakeups: int, process: BuildProcess | None = None) -> None:
         self._cls, self._features, self._sizes, self._skip = probe_cls, features, sizes, skip_wakeups
+        self._process = process
         # "auto" on BTF-typed tracepoints falls back to raw ones if the kernel refuses them
         self._fall_back = fall_back and mode == "btf"
         self._mode = mode
@@ -500,8 +502,9 @@ class ProbeLoad:
 
     def _begin(self, mode: str) -> PendingBuild:
         trace_ids = dict(self._features.task_layout.btf_trace_ids) if mode == "btf" else {}
+        process, self._process = self._process, None   # a child started ahead serves the first build
         return PendingBuild(bpf_source_dir() / "sched.bpf.c", cflags(self._features, self._sizes, mode, self._skip),
-                            mode, trace_ids)
+                            mode, trace_ids, process=process)
 
     def cancel(self) -> None:
         if self._pending is not None:

@@ -91,8 +91,8 @@ def test_auto_takes_raw_tracepoints_when_the_kernel_refuses_the_btf_typed_progra
     class Refused(build.PendingBuild):
         """The build process's answer when the kernel refuses a tp_btf program."""
 
-        def __init__(self, src, cflags, mode, trace_ids) -> None:
-            super().__init__(src, cflags, mode, trace_ids)
+        def __init__(self, src, cflags, mode, trace_ids, process=None) -> None:
+            super().__init__(src, cflags, mode, trace_ids, process)
             self.mode = mode
 
         def result(self, timeout: float = build.BUILD_TIMEOUT_S) -> build.Built:
