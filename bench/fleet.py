@@ -312,7 +312,7 @@ def render(res: dict[str, Any], image: str | None) -> str:
                    f"{_cli(p['cli_one_s'])} | {p['failed_scrapes']:,} "
                    f"({failed_share(p, s):.0%}) | "
                    f"{(p['scrape_p99_s'] or 0) * 1e3:.0f} ms | {_server(p)} | "
-                   + (f"{p['others_cpu_pct']:.0f} |" if p.get("others_cpu_pct") is not None else "– |"))
+                   + (f"{max(0.0, p['others_cpu_pct']):.0f} |" if p.get("others_cpu_pct") is not None else "– |"))
     e = doc["extrapolated"]
     if e.get("rss_bytes") is not None:
         out.append(f"| **{e['nodes']:,}** (extrapolated) | {e['head_series']:,.0f} | | {e['samples_per_s']:,.0f} | "
@@ -372,21 +372,24 @@ def keep_rows(res: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the fleet section of BENCHMARKS.md and its plot again from raw
-    results, keeping the rows of an earlier run the newer one did not measure
-    (a run of the largest fleet alone, when the whole run does not fit)."""
+    results, optionally keeping the rows of an earlier run the newer one did
+    not measure (a run of the largest fleet alone, when the whole run does not fit)."""
     p = argparse.ArgumentParser(prog="python -m bench.fleet", description=main.__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, help="bench-results/bench-*.json of the run with the fleet section")
-    p.add_argument("--keep-rows-from", type=Path, metavar="EARLIER.json", required=True,
+    p.add_argument("--keep-rows-from", type=Path, metavar="EARLIER.json",
                    help="an earlier run's raw results whose other node counts stay in the table")
     args = p.parse_args(argv)
-    res = keep_rows(json.loads(args.results.read_text()), json.loads(args.keep_rows_from.read_text()))
-    merged = args.results.with_name(args.results.stem + "-kept.json")
-    merged.write_text(json.dumps(res, indent=2) + "\n")
+    res = json.loads(args.results.read_text())
+    merged = args.results
+    if args.keep_rows_from:
+        res = keep_rows(res, json.loads(args.keep_rows_from.read_text()))
+        merged = args.results.with_name(args.results.stem + "-kept.json")
+        merged.write_text(json.dumps(res, indent=2) + "\n")
     image = plots.fleet(res["fleet"], REPO / "docs" / "bench" / "fleet.png")
     md = render(res, image.relative_to(REPO).as_posix())
     report.update_markdown(REPO / "BENCHMARKS.md", md, FLEET_BEGIN, FLEET_END, "Fleet results")
     print(md)
-    print(f"raw results: {merged.relative_to(REPO)}; BENCHMARKS.md updated")
+    print(f"raw results: {merged}; BENCHMARKS.md updated")
     return 0
 
 
