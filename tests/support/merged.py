@@ -107,14 +107,21 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     """Nothing lost against the histogram of every wait, far fewer records
     than waits, and each record holding the waits tracefs saw inside it: to
     the wait on the host; in a guest, whose clock stalls between the
-    programs' stamp and tracefs's, a wait at a record's edge may fall out."""
+    programs' stamp and tracefs's, a wait at a record's edge may fall out.
+    A guest's emulated reschedules also make many waits longer than the
+    merge limit (MERGE_WAIT_NS), which go out alone by design: there the
+    merged records must hold most waits, several each."""
     assert "error" not in doc, f"{where}: {doc['error']}"
     assert doc["event_errors"] == 0, f"{where}: events were dropped: {doc}"
     assert doc["record_waits"] == doc["waits"] > (2_000 if emulated else 10_000), f"{where}: {doc}"
     assert doc["record_ns"] == doc["waits_ns"], f"{where}: {doc}"
-    assert doc["records"] < doc["waits"] / (3 if emulated else 10), f"{where}: the waits hardly merged: {doc}"
-    assert doc["overfull"] == 0 and doc["longest_record_ns"] <= MERGE_SPAN_NS, f"{where}: {doc}"
     m = doc["merged"]
+    if emulated:
+        assert m["waits"] >= 3 * m["records"] > 0 and m["waits"] >= doc["waits"] / 2, \
+            f"{where}: the waits hardly merged: {doc}"
+    else:
+        assert doc["records"] < doc["waits"] / 10, f"{where}: the waits hardly merged: {doc}"
+    assert doc["overfull"] == 0 and doc["longest_record_ns"] <= MERGE_SPAN_NS, f"{where}: {doc}"
     slack = (0.05 if emulated else 0.001) * m["waits"] + 2 + doc["reference_gaps"]
     assert abs(m["waits"] - m["reference_waits"]) <= slack, f"{where}: {doc}"
     assert abs(m["wait_ns"] - m["reference_ns"]) <= (0.10 if emulated else 0.02) * m["reference_ns"], f"{where}: {doc}"
