@@ -105,7 +105,7 @@ def recorded_moment(prom: PrometheusQuery, at: float, service: str | None = None
     the evaluation's timestamp: the oldest of each series' newest sample is
     the last evaluation all of them have finished."""
     sel = f'{{service="{service}"}}' if service else ""
-    series = [RECORDED["count"][0]] + [s for k, (s, _) in RECORDED.items() if k != "count"] + [RECORDED_BUCKETS]
+    series = [s for s, _ in RECORDED.values()] + [RECORDED_BUCKETS]   # "count" first
     with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
         newest = list(pool.map(lambda s: prom.vector(f"max(timestamp({s}{sel}))", at), series))
     if not newest[0]:

@@ -118,7 +118,7 @@ class PendingBuild:
 
     def __init__(self, src: Path, cflags: list[str], mode: str, trace_ids: dict[str, int],
                  process: BuildProcess | None = None) -> None:
-        process = process or BuildProcess()
+        self._process = process = process or BuildProcess()
         self._sock, self._proc = process.sock, process.proc
         try:
             self._sock.sendall(json.dumps({"src": str(src), "cflags": cflags, "mode": mode,
@@ -128,10 +128,7 @@ class PendingBuild:
             raise BuildError(_no_answer(self._proc.returncode or 0)) from None
 
     def cancel(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait()
-        self._sock.close()
+        self._process.cancel()
 
     def result(self, timeout: float = BUILD_TIMEOUT_S) -> Built:
         """What the child handed over. Raises MapMemoryError,

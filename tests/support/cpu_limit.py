@@ -148,35 +148,30 @@ class CpuTimeline:
         """Time inside [start, end] the CPU ran (idle, the service, anything else);
         before the first switch recorded nothing is known (counted as other)."""
         idle = svc = other = 0
-        i = bisect.bisect_right(self.ts, start) - 1
-        t = start
-        while t < end:
-            nxt = self.ts[i + 1] if i + 1 < len(self.ts) else end
-            upto = min(nxt, end)
-            pid = self.pid[i] if i >= 0 else -1
+        for pid, ns in self._runs(start, end):
             if pid == 0:
-                idle += upto - t
+                idle += ns
             elif pid in service:
-                svc += upto - t
+                svc += ns
             else:
-                other += upto - t
-                self.others[pid] = self.others.get(pid, 0) + upto - t
-            t = upto
-            i += 1
+                other += ns
+                self.others[pid] = self.others.get(pid, 0) + ns
         return idle, svc, other
 
     def ran(self, start: int, end: int, pids: set[int]) -> int:
         """Time inside [start, end] the CPU ran one of `pids`."""
-        out = 0
+        return sum(ns for pid, ns in self._runs(start, end) if pid in pids)
+
+    def _runs(self, start: int, end: int):
+        """(pid, ns) of each stretch inside [start, end] one task held the CPU
+        (-1: before the first switch recorded)."""
         i = bisect.bisect_right(self.ts, start) - 1
         t = start
         while t < end:
             upto = min(self.ts[i + 1] if i + 1 < len(self.ts) else end, end)
-            if i >= 0 and self.pid[i] in pids:
-                out += upto - t
+            yield (self.pid[i] if i >= 0 else -1), upto - t
             t = upto
             i += 1
-        return out
 
 
 def _switch_ins(tids: set[int]) -> dict[int, int]:
