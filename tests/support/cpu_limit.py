@@ -222,12 +222,16 @@ def quiet_edge(probe, w: CpuWeight, tids: set[int], timeout: float = 60.0) -> Ed
     snapshots, events = [], []
     deadline = time.monotonic() + timeout
     seen = w.throttled_ns()
+    # Why each try failed, for the error: an emulated guest's slow snapshots
+    # can straddle a switch-in or a refill many times in a row.
+    tries = {"refills": 0, "switched_in": 0, "refilled": 0}
     while time.monotonic() < deadline:
         while (refilled := w.throttled_ns()) == seen:
             if time.monotonic() > deadline:
-                raise TimeoutError("the service was never throttled: its limit does not bind")
+                raise TimeoutError(f"no refill in {timeout:.0f} s: the limit does not bind ({tries})")
             time.sleep(0.001)
         seen = refilled
+        tries["refills"] += 1
         runs = _switch_ins(tids)
         while any(n <= runs[t] for t, n in _switch_ins(tids).items()) and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -235,10 +239,14 @@ def quiet_edge(probe, w: CpuWeight, tids: set[int], timeout: float = 60.0) -> Ed
             before = _switch_ins(tids)
             snapshots.append(probe.snapshot())
             events += probe.drain_events()
-            if _switch_ins(tids) == before and w.throttled_ns() == refilled:
+            if _switch_ins(tids) != before:
+                tries["switched_in"] += 1
+            elif w.throttled_ns() != refilled:
+                tries["refilled"] += 1
+            else:
                 return Edge(refilled, snapshots, events)
             time.sleep(0.002)
-    raise TimeoutError("no span edge away from the service's waits and refills was found")
+    raise TimeoutError(f"no span edge away from the service's waits and refills in {timeout:.0f} s ({tries})")
 
 
 @dataclass
@@ -285,7 +293,8 @@ class Counts:
 
 
 def measure(probe, seconds: float = 3.0, neighbour: bool = False, cpu: int = LIMITED_CPU,
-            threads: int = THREADS, quota_us: int = QUOTA_US, period_us: int = PERIOD_US) -> dict:
+            threads: int = THREADS, quota_us: int = QUOTA_US, period_us: int = PERIOD_US,
+            edge_timeout: float = 60.0) -> dict:
     """The scene on `probe`, alone on `cpu` or beside the neighbour:
     everything judge() needs, as plain numbers."""
     mine = os.sched_getaffinity(0)
@@ -307,13 +316,13 @@ def measure(probe, seconds: float = 3.0, neighbour: bool = False, cpu: int = LIM
             assert len(tids) == threads, tids
             probe.watch({svc.id})
             with TraceRecorder() as rec:
-                first = quiet_edge(probe, w, tids)
+                first = quiet_edge(probe, w, tids, edge_timeout)
                 events = []
                 end = time.monotonic() + seconds
                 while time.monotonic() < end:
                     time.sleep(0.2)
                     events += probe.drain_events()
-                last = quiet_edge(probe, w, tids)
+                last = quiet_edge(probe, w, tids, edge_timeout)
             probe.watch(set())
             svc_id, nb_id = svc.id, nb.id
     finally:
