@@ -34,6 +34,9 @@
  *                 keeps how long a CFS run queue was throttled and the
  *                 clock it counts on (agent/probe/btf.py LimitClock):
  *                 limit_clock()
+ *   TASK_STACK_OFF, STACK_SYSCALL_NR_OFF, NR_SCHED_YIELD
+ *                 (raw only, x86_64) where a task's system call number is
+ *                 saved (agent/probe/btf.py SyscallSite): yielding()
  *   SKIP_WAKEUPS  tests only: ignore about one wake-up in that many, as if
  *                 the kernel had skipped the program
  */
@@ -392,7 +395,8 @@ static __always_inline void emit(struct ctl c, u64 cgid, u32 kind, u64 start, u6
  * waits shorter than MERGE_WAIT_NS, one after the other behind the same
  * culprit, with no sleep between them and within MERGE_SPAN_NS of the
  * first, go out as one record of their count and sum. A wait after a sleep
- * is never merged (the sleep sends what is pending), nor is a long one, so
+ * is never merged (the sleep sends what is pending), nor is a long one, nor
+ * a yield with a preemption (their kinds differ), so
  * a neighbour's slices and every wake-up keep their exact edges. The
  * counting maps still take every wait. */
 #define MERGE_WAIT_NS 100000ULL
@@ -402,7 +406,8 @@ static __always_inline void flush_pending(struct task_info *t, task_key_t task)
 {
     if (!t->pend_n)
         return;
-    send(t->cgid, EV_PREEMPTED, t->pend_start, t->pend_end, t->pend_other, task, t->pend_wait, t->pend_n);
+    send(t->cgid, (t->flags & TF_PEND_YIELD) ? EV_YIELD : EV_PREEMPTED, t->pend_start, t->pend_end,
+         t->pend_other, task, t->pend_wait, t->pend_n);
     t->pend_n = 0;
 }
 
@@ -413,10 +418,12 @@ static __always_inline void stream_wait(struct task_info *t, u64 cgid, u32 kind,
                                         task_key_t task, bool whole)
 {
     u64 wait = end - start;
-    bool short_preempted = whole && kind == EV_PREEMPTED && wait < MERGE_WAIT_NS;
+    bool yield = kind == EV_YIELD;
+    bool short_preempted = whole && (kind == EV_PREEMPTED || yield) && wait < MERGE_WAIT_NS;
     if (t->pend_n) {
         if (short_preempted && other == t->pend_other && start >= t->pend_end &&
-            end - t->pend_start <= MERGE_SPAN_NS && t->pend_n < 0xffff) {
+            end - t->pend_start <= MERGE_SPAN_NS && t->pend_n < 0xffff &&
+            yield == !!(t->flags & TF_PEND_YIELD)) {
             t->pend_end = end;
             t->pend_wait += wait;
             t->pend_n++;
@@ -425,6 +432,7 @@ static __always_inline void stream_wait(struct task_info *t, u64 cgid, u32 kind,
         flush_pending(t, task);
     }
     if (short_preempted) {
+        t->flags = yield ? (t->flags | TF_PEND_YIELD) : (t->flags & ~TF_PEND_YIELD);
         t->pend_start = start;
         t->pend_end = end;
         t->pend_other = other;
@@ -434,6 +442,29 @@ static __always_inline void stream_wait(struct task_info *t, u64 cgid, u32 kind,
     }
     send(cgid, kind, start, end, other, task, wait, 1);
 }
+
+/* Whether the current task, switched out runnable, is inside sched_yield:
+ * its wait is then a loop polling for work another thread makes, not work
+ * held back (user space tells the two apart: agent/attribution/critical_path.py).
+ * The system call number is in the user registers saved at the top of the
+ * task's kernel stack. Read only for watched services. */
+#if defined(RAW_TP) && defined(TASK_STACK_OFF)
+static __always_inline bool yielding(task_key_t task)
+{
+    u64 stack = 0;
+    long nr = -1;
+    bpf_probe_read_kernel(&stack, sizeof(stack), (void *)(task + TASK_STACK_OFF));
+    if (!stack)
+        return false;
+    bpf_probe_read_kernel(&nr, sizeof(nr), (void *)(stack + STACK_SYSCALL_NR_OFF));
+    return nr == NR_SCHED_YIELD;
+}
+#else
+static __always_inline bool yielding(task_key_t task)
+{
+    return false;  /* classic tracepoints: no layout to find the registers by */
+}
+#endif
 
 /* When the scheduler enqueued a task whose wake-up the programs never saw,
  * on the programs' clock. The kernel skips a tracepoint's program when it
@@ -609,7 +640,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                  * wakeup on whoever held the CPU until it ended. */
                 bool preempted = st == TS_PREEMPTED;
                 u64 culprit = preempted ? n->preemptor_cgid : cgid;
-                u32 kind = preempted ? EV_PREEMPTED : EV_RUNQ;
+                u32 kind = preempted ? ((n->flags & TF_YIELD) ? EV_YIELD : EV_PREEMPTED) : EV_RUNQ;
                 u64 start = since;
                 u64 limit = limit_part(next, n, wait);
                 bool watched = watched_cgroup(c, next_cgid);
@@ -657,6 +688,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     }
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
+    u32 yield = out_state == TS_PREEMPTED && c.watch_on && yielding(prev) ? TF_YIELD : 0;
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
             cgroup_add(cgid, c.gen, CG_INDEX(untraced_switch_in), 0);
@@ -667,6 +699,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
         p->state = out_state;
+        p->flags = (p->flags & ~TF_YIELD) | yield;
         if (out_state == TS_PREEMPTED)
             limit_start(prev, p);
         else
@@ -674,7 +707,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         return 0;
     }
     struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state,
-                             .flags = flags};
+                             .flags = flags | yield};
     if (out_state == TS_PREEMPTED)
         limit_start(prev, &init);
     if (!task_put(prev, &init))

@@ -37,6 +37,8 @@
 #define KTHREADD_PID 2
 #define TF_KTHREAD 1
 #define TF_THR_START 2  /* the task's CPU limit held it when its current wait began */
+#define TF_YIELD 4      /* its current wait began with the task yielding (sched_yield) */
+#define TF_PEND_YIELD 8 /* its pending merged waits (task_info.pend_*) are yields */
 
 /* task_info.state */
 #define TS_UNKNOWN 0
@@ -75,6 +77,10 @@
                            * the rest of the wait is an event of its own: when the wait began throttled,
                            * an EV_RUNQ after it (other_cgid: whoever held the CPU when it ended), else
                            * the wait's own kind, before it */
+#define EV_YIELD 5        /* run-queue wait after the task yielded (sched_yield: a loop polling for work
+                           * another thread makes); other_cgid = who ran instead. Told where the programs
+                           * can read the task's system call (SyscallSite, agent/probe/btf.py), else
+                           * such waits are EV_PREEMPTED */
 
 /* The causes of a wait, the one vocabulary every figure of delay carries
  * (docs/api.md). The programs decide CAUSE_CPU_LIMIT, the part of a wait

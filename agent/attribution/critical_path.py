@@ -29,6 +29,19 @@ limit alone leaves those instants held; removing the neighbour ends them.
 even split charged the limit 0.88 s a request where removing it took away
 0.20-0.44 s.)
 
+A wait that began with the thread yielding (a loop polling a queue for the
+next step another thread makes, as vLLM's shared-memory readers do) is not
+work held back: at an instant where another of the request's threads waits
+for a CPU while one polls, the instant is charged to what keeps the other
+waiting, and a poll does not make its culprit hold the request against the
+limit (above). The request cannot move on before the thread polled for
+makes the step; where no other thread waits, the poll is charged to whoever
+ran instead, as it delays seeing the step. (With the engine core throttled
+by the limit and the worker polling behind a neighbour for the step the
+engine core had not sent, the neighbour was charged the instants the limit
+held.) Where the programs cannot tell a yield (classic tracepoints, other
+architectures: agent/probe/btf.py SyscallSite), polls count as preemptions.
+
 A record of a spinning thread's merged short waits (agent/store/events.py)
 waited only part of the time it covers: it counts as waiting that part of
 every instant (its density), and instants where several such records overlap
@@ -53,8 +66,9 @@ __all__ = ["Delay", "Wait", "clip", "critical_delay"]
 _NOT_NEIGHBOURS = frozenset({CPU_LIMIT, IDLE, UNKNOWN_SERVICE, KERNEL.name})
 
 # (start_ns, end_ns, culprit) for a whole wait; with the time waited inside
-# [start, end] as a fourth element for a record of merged waits.
-Wait = tuple[int, int, str] | tuple[int, int, str, int]
+# [start, end] as a fourth element for a record of merged waits; with a
+# fifth, True when the waits were polls (the thread yielded).
+Wait = tuple[int, int, str] | tuple[int, int, str, int] | tuple[int, int, str, int, bool]
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,8 @@ def clip(waits: Sequence[Wait], lo: int, hi: int) -> list[Wait]:
         s, e = max(start, lo), min(end, hi)
         if s >= e:
             continue
-        if len(w) == 4 and (s, e) != (start, end):
-            out.append((s, e, w[2], w[3] * (e - s) // (end - start)))
+        if len(w) >= 4 and (s, e) != (start, end):
+            out.append((s, e, w[2], w[3] * (e - s) // (end - start), *w[4:]))
         else:
             out.append((s, e, *w[2:]))
     return out
@@ -97,8 +111,8 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
     """
     critical = set(threads)
     # (time, +1 start / -1 end, culprit, critical, density: the part of the
-    # time covered that was waited)
-    edges: list[tuple[int, int, str, bool, float]] = []
+    # time covered that was waited, polling)
+    edges: list[tuple[int, int, str, bool, float, bool]] = []
     for tid, ws in waits.items():
         on_path = tid in critical
         if not on_path and own is None:
@@ -106,27 +120,31 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
         for w in ws:
             start, end, culprit = w[0], w[1], w[2]
             if end > start:
-                density = min(1.0, w[3] / (end - start)) if len(w) == 4 else 1.0
-                edges.append((start, 1, culprit, on_path, density))
-                edges.append((end, -1, culprit, on_path, density))
+                density = min(1.0, w[3] / (end - start)) if len(w) >= 4 else 1.0
+                polling = len(w) == 5 and bool(w[4])
+                edges.append((start, 1, culprit, on_path, density, polling))
+                edges.append((end, -1, culprit, on_path, density, polling))
     # Ends before starts at the same instant: touching waits do not overlap.
     edges.sort(key=lambda e: (e[0], e[1]))
-    active: dict[str, float] = {}   # culprit -> critical waiting in progress (sum of densities)
-    held: dict[str, float] = {}     # neighbour -> critical waiting behind it in progress
+    active: dict[str, float] = {}   # culprit -> critical work waiting in progress (sum of densities)
+    polls: dict[str, float] = {}    # culprit -> critical polling in progress
+    held: dict[str, float] = {}     # neighbour -> critical work waiting behind it in progress
     behind: dict[str, float] = {}   # culprit -> waiting in progress of any thread, neither own nor idle
     whole = 0                       # critical whole waits in progress
     parts: dict[float, int] = {}    # density -> critical merged records in progress
-    n_active = n_behind = n_held = 0.0
+    n_active = n_polls = n_behind = n_held = 0.0
     by: dict[str, float] = {}
     union = 0.0
     last = 0
-    for t, step, culprit, on_path, density in edges:
-        if active and t > last:
+    for t, step, culprit, on_path, density, polling in edges:
+        if (active or polls) and t > last:
             span = (t - last) * _held(whole, parts)
             union += span
             now: dict[str, float] = {}
-            for name, k in active.items():
-                share = span * k / n_active
+            # Polls are charged only where no work waits.
+            charged, n_charged = (active, n_active) if active else (polls, n_polls)
+            for name, k in charged.items():
+                share = span * k / n_charged
                 if name == own and behind:
                     for other, j in behind.items():
                         now[other] = now.get(other, 0.0) + share * j / n_behind
@@ -138,12 +156,16 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
             for name, share in now.items():
                 by[name] = by.get(name, 0.0) + share
         last = t
-        if on_path:
+        if on_path and polling:
+            n_polls += step * density
+            _count(polls, culprit, step * density)
+        elif on_path:
             n_active += step * density
             _count(active, culprit, step * density)
             if culprit not in _NOT_NEIGHBOURS and culprit != own:
                 n_held += step * density
                 _count(held, culprit, step * density)
+        if on_path:
             if density == 1.0:
                 whole += step
             else:

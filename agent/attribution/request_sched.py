@@ -20,7 +20,7 @@ import numpy as np
 
 from agent.attribution.causes import by_cause, cause_of, culprit_service
 from agent.attribution.critical_path import Wait, clip, critical_delay
-from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, SchedEvent
+from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, EV_YIELD, SchedEvent
 from agent.store.events import EventLog
 from agent.store.store import CPU_LIMIT, IDLE, UNKNOWN_SERVICE, Store
 
@@ -385,7 +385,7 @@ class EventSched:
         return tuple(out)
 
     def _blamed(self, waits: dict[int, list[tuple[int, int, int, int, int]]]) -> dict[int, list[Wait]]:
-        return {tid: [(s, e, self._culprit(kind, other), waited) for s, e, kind, other, waited in w]
+        return {tid: [(s, e, self._culprit(kind, other), waited, kind == EV_YIELD) for s, e, kind, other, waited in w]
                 for tid, w in waits.items()}
 
     def _culprit(self, kind: int, other: int) -> str:
@@ -396,7 +396,7 @@ class EventSched:
             return CPU_LIMIT
         if other:
             return self._service_of(other)
-        return UNKNOWN_SERVICE if kind == EV_PREEMPTED else IDLE
+        return UNKNOWN_SERVICE if kind in (EV_PREEMPTED, EV_YIELD) else IDLE
 
     def _carries_work(self, tid: int) -> bool:
         """A thread named like its process: the main thread (an engine's step

@@ -28,6 +28,7 @@ The format is the kernel's (include/uapi/linux/btf.h).
 
 from __future__ import annotations
 
+import platform
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ VMLINUX = Path("/sys/kernel/btf/vmlinux")
 
 BTF_MAGIC = 0xEB9F
 # kinds (btf.h BTF_KIND_*) and the bytes that follow a type's 12-byte header
-KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC_PROTO = 2, 4, 5, 8, 13
+KIND_PTR, KIND_STRUCT, KIND_UNION, KIND_TYPEDEF, KIND_FUNC, KIND_FUNC_PROTO = 2, 4, 5, 8, 12, 13
 # what a member's type may wrap its struct or pointer in: typedef, and the
 # qualifiers volatile, const, restrict, type_tag
 KIND_QUALIFIERS = (KIND_TYPEDEF, 9, 10, 11, 18)
@@ -111,6 +112,29 @@ class LimitClock:
 
 
 @dataclass(frozen=True)
+class SyscallSite:
+    """Where a switched-out task's system call number is, in bytes: the
+    programs tell a wait that began with the thread yielding (sched_yield:
+    a loop polling for work another thread makes) from a preemption by it.
+    A task entering the kernel saves its user registers at the top of its
+    kernel stack (task_pt_regs(): task->stack + THREAD_SIZE - the padding
+    kept above them, less struct pt_regs), the system call number in
+    orig_ax. x86_64 only; THREAD_SIZE and the padding are not in BTF: 16 KiB,
+    twice that with KASAN, and 16 bytes of padding with FRED (6.9+), both
+    told by functions only those kernels have."""
+
+    task_stack: int        # task_struct.stack (void *)
+    nr: int                # from the stack's base to pt_regs.orig_ax
+
+    def defines(self) -> dict[str, int]:
+        return {"TASK_STACK_OFF": self.task_stack, "STACK_SYSCALL_NR_OFF": self.nr,
+                "NR_SCHED_YIELD": NR_SCHED_YIELD}
+
+
+NR_SCHED_YIELD = 24        # x86_64 (arch/x86/entry/syscalls/syscall_64.tbl)
+
+
+@dataclass(frozen=True)
 class CgroupChain:
     """Where a task's cgroup v2 id is, as bpf_get_current_cgroup_id() reads
     it (task->cgroups->dfl_cgrp->kn->id), in bytes: BTF-typed programs follow
@@ -150,6 +174,10 @@ class TaskLayout:
     # read (CONFIG_CFS_BANDWIDTH off); limit_clock_missing then says why.
     limit_clock: LimitClock | None = None
     limit_clock_missing: str = ""
+    # None where the programs cannot read a switched-out task's system call
+    # (another architecture): yields then read as preemptions.
+    syscall_site: SyscallSite | None = None
+    syscall_site_missing: str = ""
 
 
 class _Btf:
@@ -291,6 +319,17 @@ def _queue_clock(btf: _Btf) -> QueueClock:
     return QueueClock(last_queued=last_queued, se_cfs_rq=se_cfs_rq, cfs_rq_rq=cfs_rq_rq, rq_clock=rq_clock)
 
 
+def _syscall_site(btf: _Btf) -> SyscallSite:
+    if platform.machine() != "x86_64":
+        raise BtfError(f"the programs read a task's system call on x86_64 only, not {platform.machine()}")
+    stack = _member_offset(btf, "task_struct", "stack")
+    regs = _struct(btf, "pt_regs")
+    orig_ax = _member_offset(btf, "pt_regs", "orig_ax")
+    thread_size = 16384 << (1 if btf.find(KIND_FUNC, "kasan_report") is not None else 0)
+    padding = 16 if btf.find(KIND_FUNC, "fred_entry_from_user") is not None else 0
+    return SyscallSite(task_stack=stack, nr=thread_size - padding - btf.header(regs)[4] + orig_ax)
+
+
 # (kind, cfs_rq fields' suffix, rq clock, what is subtracted from it), newest first.
 _LIMIT_CLOCKS = (("self", "self", "clock", None), ("pelt", "pelt", "clock_pelt", "lost_idle_time"),
                  ("task", "task", "clock_task", None))
@@ -372,6 +411,10 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
         clock["limit_clock"] = _limit_clock(btf)
     except BtfError as e:
         clock["limit_clock_missing"] = str(e)
+    try:
+        clock["syscall_site"] = _syscall_site(btf)
+    except BtfError as e:
+        clock["syscall_site_missing"] = str(e)
     if switch_args >= 4:
         return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.

@@ -28,6 +28,8 @@ KERNEL_CGID = 0xFFFFFFFFFFFFFFFE
 KTHREADD_PID = 2
 TF_KTHREAD = 1
 TF_THR_START = 2
+TF_YIELD = 4
+TF_PEND_YIELD = 8
 # task_info.state
 TS_UNKNOWN = 0
 TS_RUNNING = 1
@@ -42,6 +44,7 @@ EV_PREEMPTED = 1
 EV_IOWAIT = 2
 EV_MIGRATE = 3
 EV_LIMIT = 4   # the part of a run-queue wait its CPU limit held
+EV_YIELD = 5   # a run-queue wait that began with the task yielding (polling)
 # blame_key.kind
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1

@@ -127,6 +127,8 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
                           CFS_RQ_RQ_OFF=clock.cfs_rq_rq, RQ_CLOCK_OFF=clock.rq_clock)
         if features.task_layout.limit_clock is not None:
             values.update(features.task_layout.limit_clock.defines())
+        if features.task_layout.syscall_site is not None:
+            values.update(features.task_layout.syscall_site.defines())
     if skip_wakeups:
         values["SKIP_WAKEUPS"] = skip_wakeups
     for name, value in values.items():

@@ -28,12 +28,17 @@ from agent.probe.layout import (
     EV_MIGRATE,
     EV_PREEMPTED,
     EV_RUNQ,
+    EV_YIELD,
     HIST_IOWAIT,
     HIST_RUNQ,
     HIST_RUNQ_LIMIT,
     KERNEL_CGID,
     NR_HIST_KINDS,
 )
+
+# The kinds of a run-queue wait's record (EV_LIMIT holds the part of one
+# that a CPU limit held; its rest is one of these).
+RUNQ_KINDS = (EV_RUNQ, EV_PREEMPTED, EV_YIELD)
 
 
 class Bucket(NamedTuple):
@@ -81,7 +86,9 @@ class SchedEvent:
     kind: int
     start_ns: int
     end_ns: int
-    other_cgid: int   # who kept the CPU: the preemptor (EV_PREEMPTED), the holder (EV_RUNQ), self (EV_LIMIT)
+    # who kept the CPU: the preemptor (EV_PREEMPTED), who ran instead
+    # (EV_YIELD), the holder (EV_RUNQ), self (EV_LIMIT)
+    other_cgid: int
     tid: int
     wait_ns: int | None = None   # None: end_ns - start_ns, one wait
     waits: int = 1

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.probe.snapshot import EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, SchedEvent, event_rows
+from agent.probe.snapshot import (EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, EV_YIELD, RUNQ_KINDS,
+                                  SchedEvent, event_rows)
 
 
 @dataclass
@@ -213,7 +214,7 @@ class EventLog:
         if not len(rows):
             return
         rows = rows[np.argsort(rows["end_ns"], kind="stable")]
-        runq = rows[np.isin(rows["kind"], (EV_RUNQ, EV_PREEMPTED, EV_LIMIT)) & (rows["tid"] != 0)]
+        runq = rows[np.isin(rows["kind"], RUNQ_KINDS + (EV_LIMIT,)) & (rows["tid"] != 0)]
         with self._lock:
             for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
                 self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"], part["wait_ns"],
@@ -281,7 +282,7 @@ class EventLog:
                         continue
                     if kind == EV_IOWAIT:
                         iowait += total
-                    elif kind == EV_PREEMPTED:
+                    elif kind in (EV_PREEMPTED, EV_YIELD):   # a yield gave way as a preemption does
                         runq += total
                         runq_count += count
                         preemptions += count

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agent.attribution.critical_path import critical_delay
+from agent.attribution.critical_path import clip, critical_delay
 from agent.attribution.request_sched import EventSched, capped_delay
 from agent.attribution.request_span import RequestSpan
 from agent.attribution.requests import phase_windows, request_document
@@ -61,6 +61,28 @@ def test_the_limit_defers_to_a_neighbour_holding_another_of_the_requests_threads
     for other in ("idle", "kernel", "unknown"):
         alone = critical_delay({1: [(20 * MS, 80 * MS, other)], 2: waits[2]}, threads=[1, 2], own="vllm")
         assert dict(alone.by) == pytest.approx({other: 0.030, "cpu_limit": 0.030})
+
+
+def test_a_poll_is_charged_only_where_no_work_waits():
+    # Window [0, 100] ms. The worker W polls (yields) behind batch 0-60 for
+    # the step the engine core E makes; E sits throttled by the service's
+    # limit 20-80. W's polling holds nothing E's step does not: 20-60 is the
+    # limit's, and W does not make batch hold the request against it.
+    polls = {1: [(0, 60 * MS, "batch", 60 * MS, True)], 2: [(20 * MS, 80 * MS, "cpu_limit")]}
+    d = critical_delay(polls, threads=[1, 2], own="vllm")
+    assert d.seconds == pytest.approx(0.080)
+    assert d.by == (("cpu_limit", pytest.approx(0.060)), ("batch", pytest.approx(0.020)))
+    # The same wait not a poll: batch holds W's work (the limit defers to it).
+    work = {1: [(0, 60 * MS, "batch", 60 * MS, False)], 2: polls[2]}
+    assert critical_delay(work, threads=[1, 2], own="vllm").by == (("batch", pytest.approx(0.060)),
+                                                                     ("cpu_limit", pytest.approx(0.020)))
+    # A poll alone is charged to whoever ran instead; two polls split evenly.
+    alone = {1: [(0, 60 * MS, "batch", 60 * MS, True)], 2: [(30 * MS, 90 * MS, "kernel", 60 * MS, True)]}
+    d = critical_delay(alone, threads=[1, 2], own="vllm")
+    assert d.seconds == pytest.approx(0.090)
+    assert dict(d.by) == pytest.approx({"batch": 0.045, "kernel": 0.045})
+    # Clipping keeps the flag.
+    assert clip(polls[1], 10 * MS, 20 * MS) == [(10 * MS, 20 * MS, "batch", 10 * MS, True)]
 
 
 def test_touching_and_empty_waits():
