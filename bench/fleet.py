@@ -332,7 +332,7 @@ def render(res: dict[str, Any], image: str | None) -> str:
                 f"samples/s as those series every {s['scrape_s']} s (a Prometheus that keeps up); memory on a "
                 f"straight line in the series; the rules' samples, rule and CLI times in proportion to the nodes "
                 f"from the {e['basis_nodes']:,}-node point (the one whose scrapes failed least): for the CLI's "
-                "recorded path an upper bound, since only its raw part (I/O wait, migrations) grows with the nodes."]
+                "recorded path an upper bound, since the recorded series it reads do not grow with the nodes."]
     out += ["", "Series one node exports (the exporter alone, bench/export_budget.py):", "",
             "| services on the node | budget on (buckets only for SLO/rule services: none here) | "
             "every service with buckets (`histograms: [\"*\"]`) |", "|---:|---:|---:|"]

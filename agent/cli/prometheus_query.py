@@ -11,12 +11,14 @@ so the two answers differ only by what Prometheus stores: the classic bucket
 bounds (about 1.4x apart) and the scrape grid.
 
 Asked for the window the shipped `slatrace.fleet` rules precompute (5 m), and
-when Prometheus holds their series fresh, the run-queue figures, culprits and
-SLO breaches are read from those recorded series (already summed over the
-nodes) instead of re-summing every node's raw buckets: the same expressions,
-evaluated by the rules at their last evaluation, whose moment ends the
-window. What the rules do not record (I/O wait, migrations, throttling, the
-nodes' own quantiles, SLO targets) is asked raw at that same moment.
+when Prometheus holds their series fresh, every figure is read from those
+recorded series (already summed, or maximised, over the nodes) instead of
+re-summing every node's raw series: the same expressions, evaluated by the
+rules at their last evaluation, whose moment ends the window. The answer
+then costs the same at any number of nodes. A figure the rules hold no series
+for is asked raw at that same moment: rules from before it was recorded give
+the right answer that way, and where no node exports the figure at all the
+raw query reads nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from agent.attribution.verdict import verdict
 from agent.cli.client import FetchError, fetch_json
 from agent.errors import SlatraceError
 
-__all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution", "recorded_moment"]
+__all__ = ["PrometheusError", "PrometheusQuery", "fleet_attribution", "recorded_series"]
 
 QUANTILES = (0.5, 0.95, 0.99)
 # Queries in flight at once: more than a small Prometheus has cores only makes
@@ -43,16 +45,31 @@ RULES_WINDOW_S = 300
 # Recorded series older than this are not used: the docs ask for an evaluation
 # every 15 s to 1 min, so older ones mean the rules are not keeping up.
 RECORDED_MAX_AGE_S = 60.0
-# What the fleet rules record, summed again over `by` (a global layer above
-# several Prometheus servers holds one series per cluster): key -> (series, by).
-RECORDED = {
-    "count": ("service:slatrace_runq_latency_seconds_count:rate5m", "service"),
-    "wait": ("service:slatrace_runq_wait_seconds:rate5m", "service"),
-    "pre_count": ("service_by_service:slatrace_preemptions:rate5m", "service, by_service"),
-    "pre_wait": ("service_by_service:slatrace_preempted_wait_seconds:rate5m", "service, by_service"),
-    "breaches": ("service_slo:slatrace_slo_breaches:rate5m", "service, slo"),
+# The fleet rules' rates, by the figure they stand for: summed again over the
+# figure's labels (a global layer above several Prometheus servers holds one
+# series per cluster) and multiplied by the window, they are its increase.
+RECORDED_RATES = {
+    "count": "service:slatrace_runq_latency_seconds_count:rate5m",
+    "wait": "service:slatrace_runq_wait_seconds:rate5m",
+    "io_count": "service:slatrace_iowait_seconds_count:rate5m",
+    "io_sum": "service:slatrace_iowait_seconds_sum:rate5m",
+    "migrations": "service:slatrace_migrations:rate5m",
+    "throttled": "service:slatrace_cpu_throttled_seconds:rate5m",
+    "pre_count": "service_by_service:slatrace_preemptions:rate5m",
+    "pre_wait": "service_by_service:slatrace_preempted_wait_seconds:rate5m",
+    "breaches": "service_slo:slatrace_slo_breaches:rate5m",
 }
-RECORDED_BUCKETS = "service_le:slatrace_runq_latency_seconds_bucket:rate5m"
+# Their summed bucket rates, by the histogram they sum.
+RECORDED_BUCKETS = {
+    "slatrace_runq_latency_seconds": "service_le:slatrace_runq_latency_seconds_bucket:rate5m",
+    "slatrace_iowait_seconds": "service_le:slatrace_iowait_seconds_bucket:rate5m",
+}
+# Their maxima over the nodes, by the gauge they take it of: the maximum of
+# these again is the answer at any layer.
+RECORDED_MAXIMA = {
+    "slatrace_runq_latency_quantile_seconds": "service_quantile:slatrace_runq_latency_quantile_seconds:max",
+    "slatrace_slo_target_seconds": "service_slo:slatrace_slo_target_seconds:max",
+}
 
 
 class PrometheusError(SlatraceError):
@@ -97,21 +114,24 @@ def _by_service(rows: list[tuple[dict[str, str], float]]) -> dict[str, float]:
     return {labels.get("service", ""): v for labels, v in rows}
 
 
-def recorded_moment(prom: PrometheusQuery, at: float, service: str | None = None,
-                    max_age: float = RECORDED_MAX_AGE_S) -> float | None:
+def recorded_series(prom: PrometheusQuery, at: float, service: str | None = None,
+                    max_age: float = RECORDED_MAX_AGE_S) -> tuple[float, frozenset[str]] | None:
     """The last evaluation, at or before `at`, at which the fleet rules
-    recorded every series read here for the service (or all); None when they
-    hold none that fresh. A group's rules are written one after another with
-    the evaluation's timestamp: the oldest of each series' newest sample is
-    the last evaluation all of them have finished."""
+    recorded every series read here for the service (or all), and which of
+    those series hold anything; None when the rules hold none that fresh.
+    A group's rules are written one after another with the evaluation's
+    timestamp: the oldest of each series' newest sample is the last
+    evaluation all of them have finished."""
     sel = f'{{service="{service}"}}' if service else ""
-    series = [s for s, _ in RECORDED.values()] + [RECORDED_BUCKETS]   # "count" first
+    series = [*RECORDED_RATES.values(), *RECORDED_BUCKETS.values(), *RECORDED_MAXIMA.values()]  # "count" first
     with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
         newest = list(pool.map(lambda s: prom.vector(f"max(timestamp({s}{sel}))", at), series))
     if not newest[0]:
         return None   # no run-queue figures recorded: the rules are not loaded (or not for it)
     moment = min(rows[0][1] for rows in newest if rows)
-    return moment if at - max_age <= moment <= at else None
+    if not at - max_age <= moment <= at:
+        return None
+    return moment, frozenset(s for s, rows in zip(series, newest) if rows)
 
 
 def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = None,
@@ -125,32 +145,40 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
     rng = f"[{window}s]"
     sel_inner = f', service="{service}"' if service else ""
     sel = f'{{service="{service}"}}' if service else ""
-    recorded = recorded_moment(prom, at, service) if window == round(rules_window) else None
+    recorded = recorded_series(prom, at, service) if window == round(rules_window) else None
+    held: frozenset[str] = frozenset()
     if recorded is not None:
-        at = recorded   # the window the rules' figures cover ends at their evaluation
+        at, held = recorded   # the window the rules' figures cover ends at their evaluation
 
     # Every query is independent: a few run at once (Prometheus evaluates them in
     # parallel), which at a thousand nodes is most of the answer's time.
     queries: dict[str, str] = {}
+    rates: set[str] = set()   # keys answered by recorded rates: times the window below
 
     def inc(key: str, metric: str, by: str = "service") -> None:
-        if recorded is not None and key in RECORDED:
-            series, by = RECORDED[key]
-            queries[key] = f"sum by ({by}) ({series}{sel})"   # a rate: times the window below
+        if RECORDED_RATES[key] in held:
+            queries[key] = f"sum by ({by}) ({RECORDED_RATES[key]}{sel})"
+            rates.add(key)
         else:
             queries[key] = f"sum by ({by}) (increase({metric}{sel}{rng}))"
 
     def quantile(key: str, metric: str, q: float) -> None:
         # A histogram with the +Inf bucket only answers NaN, which vector() drops.
-        if recorded is not None and metric == "slatrace_runq_latency_seconds":
-            queries[key] = f"histogram_quantile({q}, sum by (service, le) ({RECORDED_BUCKETS}{sel}))"
+        if RECORDED_BUCKETS[metric] in held:
+            buckets = f"{RECORDED_BUCKETS[metric]}{sel}"
         else:
-            queries[key] = f"histogram_quantile({q}, sum by (service, le) (increase({metric}_bucket{sel}{rng})))"
+            buckets = f"increase({metric}_bucket{sel}{rng})"
+        queries[key] = f"histogram_quantile({q}, sum by (service, le) ({buckets}))"
+
+    def maxima(gauge: str) -> str:
+        # The nodes' gauges, or the rules' maxima of them: the maximum of either is the answer.
+        return RECORDED_MAXIMA[gauge] if RECORDED_MAXIMA[gauge] in held else gauge
 
     inc("count", "slatrace_runq_latency_seconds_count")
     inc("wait", "slatrace_runq_latency_seconds_sum")
     for q in QUANTILES:
-        queries[f"gauge{q}"] = f'max by (service) (slatrace_runq_latency_quantile_seconds{{quantile="{q}"{sel_inner}}})'
+        queries[f"gauge{q}"] = (f"max by (service) ({maxima('slatrace_runq_latency_quantile_seconds')}"
+                                f'{{quantile="{q}"{sel_inner}}})')
         quantile(f"buckets{q}", "slatrace_runq_latency_seconds", q)
     inc("io_count", "slatrace_iowait_seconds_count")
     inc("io_sum", "slatrace_iowait_seconds_sum")
@@ -159,13 +187,12 @@ def fleet_attribution(prom: PrometheusQuery, since: float, at: float | None = No
     inc("throttled", "slatrace_cpu_throttled_seconds_total")
     inc("pre_count", "slatrace_preemptions_total", "service, by_service")
     inc("pre_wait", "slatrace_preempted_wait_seconds_total", "service, by_service")
-    queries["targets"] = f"max by (service, slo) (slatrace_slo_target_seconds{sel})"
+    queries["targets"] = f"max by (service, slo) ({maxima('slatrace_slo_target_seconds')}{sel})"
     inc("breaches", "slatrace_slo_breaches_total", "service, slo")
     with ThreadPoolExecutor(max_workers=PARALLEL_QUERIES) as pool:
         answers = dict(zip(queries, pool.map(lambda expr: prom.vector(expr, at), queries.values())))
-    if recorded is not None:
-        for key in RECORDED:
-            answers[key] = [(labels, v * window) for labels, v in answers[key]]
+    for key in rates:
+        answers[key] = [(labels, v * window) for labels, v in answers[key]]
     source = "prometheus" if recorded is None else "prometheus_recorded"
 
     count = _by_service(answers["count"])

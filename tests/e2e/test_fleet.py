@@ -11,10 +11,13 @@ generated node states, another way:
   distribution (every node's raw waits together), within one exported
   bucket, and against histogram_quantile's own interpolation of the exact
   merged bucket counts, closely;
-- culprits and request delay by cause against the sums over the nodes;
+- culprits, request delay by cause, I/O wait and migrations against the
+  sums over the nodes;
 - SLO verdicts: which nodes break each SLO, the fleet's breach ratio, and the
   fleet verdict against the merged P99;
-- the node-by-node drill-down of one service against each node's own P99.
+- the node-by-node drill-down of one service against each node's own P99;
+- the recorded path reads nothing but the fleet rules' series, whose cost
+  does not grow with the nodes.
 
 bench/fleet.py runs the same scene at 100, 300 and 1,000 nodes for its cost.
 """
@@ -47,6 +50,7 @@ from tests.support.fleet import (
     delay_by_cause,
     exact_quantile,
     exported_culprit_wait,
+    hash_share,
     fleet_states,
     merged_runq_ns,
     node_p99,
@@ -94,6 +98,7 @@ class Scene:
     at: float            # a moment every scrape before which is in Prometheus
     attribution: dict    # fleet_attribution() at `at`, by service: what the CLI prints
     recorded: dict       # the same, read from the rules' recorded series
+    recorded_queries: list[str]   # every query that read them
     cli: dict            # `slatrace attribution --prometheus --json` run now, by service
     rules: dict          # record name -> its expressions in the rule file (one per quantile label)
     # Prometheus stamps a sample when it starts the scrape, the server reads the
@@ -139,7 +144,8 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
             at = clean_moment(prom, time.time() - 2 * SCRAPE_S)
             ask = PrometheusQuery(prom.url, timeout=60)
             attribution = {r["service"]: r for r in fleet_attribution(ask, SINCE, at)["attribution"]}
-            recorded = {r["service"]: r for r in fleet_attribution(ask, SINCE, at, rules_window=RULE_WINDOW_S)
+            logged = QueryLog(prom.url, timeout=60)
+            recorded = {r["service"]: r for r in fleet_attribution(logged, SINCE, at, rules_window=RULE_WINDOW_S)
                         ["attribution"]}
             cli = subprocess.run(SLATRACE + ["attribution", "--prometheus", prom.url, "--since", str(SINCE),
                                              "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -147,8 +153,20 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
             records = {r["service"]: r for r in json.loads(cli.stdout)["attribution"]}
             slowest = prom.query(f'max(max_over_time(scrape_duration_seconds{{job="slatrace"}}'
                                  f'[{SINCE + 2 * SCRAPE_S}s]))', at)
-            yield Scene(prom, fleet_states(SPEC), at, attribution, recorded, records, rules_exprs,
+            yield Scene(prom, fleet_states(SPEC), at, attribution, recorded, logged.asked, records, rules_exprs,
                         float(slowest[0]["value"][1]))
+
+
+class QueryLog(PrometheusQuery):
+    """The CLI's own client, keeping every query it sends."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        super().__init__(url, timeout)
+        self.asked: list[str] = []
+
+    def vector(self, expr: str, at: float) -> list[tuple[dict[str, str], float]]:
+        self.asked.append(expr)
+        return super().vector(expr, at)
 
 
 def clean_moment(prom: Prometheus, latest: float) -> float:
@@ -361,6 +379,41 @@ def test_request_delay_by_cause_is_the_sum_over_nodes(scene: Scene) -> None:
         assert dash[key] == pytest.approx(_per_second(seconds), rel=scene.rel(WINDOW_REL)), key
 
 
+def test_io_wait_migrations_and_throttling_are_sums_over_nodes(scene: Scene) -> None:
+    names = ("service:slatrace_iowait_seconds_count:rate5m", "service:slatrace_iowait_seconds_sum:rate5m",
+             "service:slatrace_migrations:rate5m")
+    rules = [_vector(scene.prom, rule_expr(scene, n), scene.at, "service") for n in names]
+    recorded = [_vector(scene.prom, n, scene.at, "service") for n in names]
+    running = {s for st in scene.states for s in st.services}
+    p99_checked = 0
+    for service in running:
+        nodes = [st.services[service] for st in scene.states if service in st.services]
+        io_ns = [v for s in nodes for v in s.iowait_ns]
+        per_second = (_per_second(len(io_ns)), _per_second(sum(io_ns) / 1e9),
+                      _per_second(sum(s.migrations for s in nodes)))
+        for tables, rel in ((rules, scene.rel(RULES_REL)), (recorded, RECORDED_REL)):
+            for name, table, ref in zip(names, tables, per_second):
+                # A kind no node of the service exports has no series, recorded or not.
+                assert table.get(service, 0.0) == pytest.approx(ref, rel=rel), (service, name)
+        for doc, rel in ((scene.attribution, scene.rel(WINDOW_REL)), (scene.recorded, RECORDED_REL)):
+            ours = doc[service]
+            assert ours["iowait"]["count"] == pytest.approx(per_second[0] * SINCE, rel=rel), service
+            assert ours["iowait"]["seconds"] == pytest.approx(per_second[1] * SINCE, rel=rel), service
+            assert ours["migrations"] == pytest.approx(per_second[2] * SINCE, rel=rel), service
+        # No node of the scene has a CPU limit: nothing throttled, on either path.
+        assert scene.recorded[service]["throttled_seconds"] == scene.attribution[service]["throttled_seconds"] == 0.0
+        # The I/O-wait P99 of the waits merged over the nodes, where the service
+        # has buckets; none without (no node exports an I/O-wait quantile).
+        p99 = [doc[service]["iowait"]["p99"] for doc in (scene.attribution, scene.recorded)]
+        if io_ns and bucketed(SPEC, service):
+            exact = exact_quantile(io_ns, 0.99)
+            assert all(v is not None and within_one_bucket(v, exact) for v in p99), (service, p99, exact)
+            p99_checked += 1
+        else:
+            assert p99 == [None, None], service
+    assert p99_checked >= 3 and any(hash_share(s, 4) and not bucketed(SPEC, s) for s in running)
+
+
 # -- SLO verdicts
 
 def test_slo_verdicts_node_by_node_and_fleet_wide(scene: Scene) -> None:
@@ -437,6 +490,25 @@ def test_cli_reads_the_recorded_series_for_the_rules_window(scene: Scene) -> Non
     # The window ends at the rules' last evaluation before the moment asked.
     (end,) = {r["end"] for r in scene.recorded.values()}
     assert scene.at - SCRAPE_S <= end <= scene.at and {r["start"] for r in scene.recorded.values()} == {end - SINCE}
+
+
+def test_recorded_path_reads_nothing_that_grows_with_the_nodes(scene: Scene) -> None:
+    # Every series the recorded path asked for is one the fleet rules write
+    # (a series per service, whatever the number of nodes), but for a figure
+    # they hold nothing of, which it asks raw: there no node exports it
+    # either, and the query reads nothing.
+    fleet = {name for name in scene.rules if name.startswith("service")}
+    asked = {name for expr in scene.recorded_queries
+             for name in re.findall(r"(?<![\w:])(?:service\w*:[\w:]+|slatrace_\w+)", expr)}
+    raw = {name for name in asked if name not in fleet}
+    assert asked - raw >= {"service_le:slatrace_runq_latency_seconds_bucket:rate5m",
+                           "service_le:slatrace_iowait_seconds_bucket:rate5m",
+                           "service:slatrace_iowait_seconds_count:rate5m", "service:slatrace_iowait_seconds_sum:rate5m",
+                           "service:slatrace_migrations:rate5m",
+                           "service_quantile:slatrace_runq_latency_quantile_seconds:max",
+                           "service_slo:slatrace_slo_target_seconds:max"}
+    assert raw == {"slatrace_cpu_throttled_seconds_total"}
+    assert not scene.prom.query("count(slatrace_cpu_throttled_seconds_total)", scene.at)
 
 
 def test_recording_rules_pass_promtool() -> None:
