@@ -79,9 +79,13 @@ def attachment(release: str | None = None) -> Check:
              f"the part of a wait the service's own CPU limit held cannot be told from other waits "
              f"({layout.limit_clock_missing}): it counts as unknown, and cpu.stat's throttled time stands in "
              "per service")
+    polls = ("a wait that began with the thread yielding (a loop polling for work) is told from a preemption "
+             "by the system call saved on its kernel stack"
+             if layout.syscall_site is not None else
+             f"a wait that began with the thread yielding reads as a preemption ({layout.syscall_site_missing})")
     details = (f"{where}; task_struct.pid at byte {layout.pid_offset} and .flags at {layout.flags_offset}, from "
                f"the kernel's BTF; {recovery}; {limit} (on classic tracepoints, which pass no task, it cannot be "
-               "told: --attach-mode classic counts it as unknown)")
+               f"told: --attach-mode classic counts it as unknown); {polls}")
     if not layout.btf_trace_ids:
         return Check("attachment", True, f"kernel {release}: raw tracepoints, because BTF-typed ones are not "
                      f"usable ({layout.btf_tracing_missing}): {_cost('raw')}; --attach-mode classic also works "

@@ -98,7 +98,8 @@ def summary(doc: dict) -> str:
     if "error" in doc:
         return f"spinning: {doc['error']}"
     m = doc["merged"]
-    return (f"spinning ({doc['mode']} tracepoints): {doc['waits']} waits in {doc['records']} records "
+    return (f"spinning ({doc['mode']} tracepoints): {doc['waits']} waits ({doc['yield_waits']} told as yields) "
+            f"in {doc['records']} records "
             f"({m['waits']} merged in {m['records']}, the longest {doc['longest_record_ns'] / 1e3:.0f} µs); "
             f"reference inside them {m['reference_waits']} waits {m['reference_ns'] / 1e6:.1f} ms against "
             f"{m['waits']} waits {m['wait_ns'] / 1e6:.1f} ms; reference gaps {doc['reference_gaps']}")

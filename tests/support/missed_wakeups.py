@@ -268,7 +268,10 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     (the reference's gaps)."""
     assert "error" not in doc, f"{where}: {doc['error']}"
     assert doc["event_errors"] == 0, f"{where}: events were dropped: {doc}"
-    assert doc["wakeups"] > 300, f"{where}: the victim hardly woke up; the scene is broken: {doc}"
+    # ~2,000 on the host; a guest emulated beside two others runs each loop
+    # ten times slower.
+    assert doc["wakeups"] > (150 if emulated else 300), \
+        f"{where}: the victim hardly woke up; the scene is broken: {doc}"
     # About one wake-up in SKIP was skipped, and its wait recovered.
     assert doc["untraced_wakeup"] > doc["wakeups"] / doc["skip"] / 2, f"{where}: {doc}"
     # A guest skips ~100 wake-ups in all, where the emulator's slow
