@@ -136,8 +136,8 @@ def verdict(span: RequestSpan, sched: RequestSched | None, service: str | None,
     # A limit that held the request too, though less: named, since between
     # throttles a limited service also waits longer behind others, which its
     # neighbour's share carries (docs/api.md: beside a neighbour of twenty
-    # times its weight, removing vLLM's limit took away three times the
-    # limit's own share).
+    # times its weight, removing vLLM's limit took away up to a quarter more
+    # than the limit's own share).
     limited = next((c for c in ranked[1:] if c.kind == CPU_LIMIT_CAUSE), None)
     also = ""
     if limited is not None and top.kind != CPU_LIMIT_CAUSE and (
