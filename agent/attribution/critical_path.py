@@ -34,9 +34,10 @@ next step another thread makes, as vLLM's shared-memory readers do) is not
 work held back: at an instant where another of the request's threads waits
 for a CPU while one polls, the instant is charged to what keeps the other
 waiting, and a poll does not make its culprit hold the request against the
-limit (above). The request cannot move on before the thread polled for
-makes the step; where no other thread waits, the poll is charged to whoever
-ran instead, as it delays seeing the step. (With the engine core throttled
+limit, nor stand behind a wait on the service's own threads (above). The
+request cannot move on before the thread polled for makes the step; where
+no other thread waits, the poll is charged to whoever ran instead, as it
+delays seeing the step. (With the engine core throttled
 by the limit and the worker polling behind a neighbour for the step the
 engine core had not sent, the neighbour was charged the instants the limit
 held.) Where the programs cannot tell a yield (classic tracepoints, other
@@ -129,7 +130,7 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
     active: dict[str, float] = {}   # culprit -> critical work waiting in progress (sum of densities)
     polls: dict[str, float] = {}    # culprit -> critical polling in progress
     held: dict[str, float] = {}     # neighbour -> critical work waiting behind it in progress
-    behind: dict[str, float] = {}   # culprit -> waiting in progress of any thread, neither own nor idle
+    behind: dict[str, float] = {}   # culprit -> work waiting in progress of any thread, neither own nor idle
     whole = 0                       # critical whole waits in progress
     parts: dict[float, int] = {}    # density -> critical merged records in progress
     n_active = n_polls = n_behind = n_held = 0.0
@@ -170,7 +171,7 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
                 whole += step
             else:
                 _count(parts, density, step)
-        if own is not None and culprit not in (own, IDLE):
+        if own is not None and culprit not in (own, IDLE) and not polling:
             n_behind += step * density
             _count(behind, culprit, step * density)
     ranked = sorted(((name, ns / 1e9) for name, ns in by.items() if ns > 0), key=lambda kv: kv[1], reverse=True)

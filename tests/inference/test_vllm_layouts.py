@@ -367,7 +367,7 @@ def test_an_engine_core_away_from_the_neighbour_is_charged_only_its_rise(scene, 
     # Not strict: on a busy machine the noise of the block means may cover the overcharge.
     request.applymarker(pytest.mark.xfail(strict=False, reason=(
         "the agent's delay is the union of the critical threads of every process of the service, so a "
-        "request served by DP0 is charged DP1's waits behind the neighbour (docs/api.md)")))
+        "request served by DP0 is charged DP1's waits with work behind the neighbour (docs/api.md)")))
     away = {g: row for g, row in scene["table"].items() if not row["on_neighbours_cpu"]}
     assert away, scene["table"]
     for g, row in away.items():

@@ -81,6 +81,13 @@ def test_a_poll_is_charged_only_where_no_work_waits():
     d = critical_delay(alone, threads=[1, 2], own="vllm")
     assert d.seconds == pytest.approx(0.090)
     assert dict(d.by) == pytest.approx({"batch": 0.045, "kernel": 0.045})
+    # A wait behind the service's own thread goes to a neighbour keeping
+    # another of its threads from work, not from polling (a data-parallel
+    # engine core spinning on the neighbour's CPU while another serves).
+    sibling = {1: [(0, 10 * MS, "vllm")], 5: [(0, 10 * MS, "batch", 10 * MS, True)]}
+    assert critical_delay(sibling, threads=[1], own="vllm").by == (("vllm", pytest.approx(0.010)),)
+    sibling[5] = [(0, 10 * MS, "batch", 10 * MS, False)]
+    assert critical_delay(sibling, threads=[1], own="vllm").by == (("batch", pytest.approx(0.010)),)
     # Clipping keeps the flag.
     assert clip(polls[1], 10 * MS, 20 * MS) == [(10 * MS, 20 * MS, "batch", 10 * MS, True)]
 
