@@ -210,12 +210,16 @@ def run(nodes: list[int], services: int, progress: Callable[[str], None], warm_s
                         "services_per_node": services, "cli_since_s": CLI_SINCE, "nice": 10},
            "budget": budget, "points": points}
     doc["extrapolated"] = extrapolated(doc)
-    big = max(points, key=lambda p: p["nodes"])
-    targets = [{"name": f"slatrace attribution --prometheus at {big['nodes']} nodes (all services, {CLI_SINCE} s)",
-                "measured": _cli(big["cli_all_s"]), "limit": f"≤ {CLI_TARGET_S:.0f} s",
-                "value": big["cli_all_s"]["median"], "pass": bool(big["cli_all_s"]["median"] <= CLI_TARGET_S)}]
-    doc["targets"] = targets
+    doc["targets"] = targets(points)
     return doc
+
+
+def targets(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The CLI's target, judged at the largest fleet measured."""
+    big = max(points, key=lambda p: p["nodes"])
+    return [{"name": f"slatrace attribution --prometheus at {big['nodes']} nodes (all services, {CLI_SINCE} s)",
+             "measured": _cli(big["cli_all_s"]), "limit": f"≤ {CLI_TARGET_S:.0f} s",
+             "value": big["cli_all_s"]["median"], "pass": bool(big["cli_all_s"]["median"] <= CLI_TARGET_S)}]
 
 
 def failed_share(p: dict[str, Any], settings: dict[str, Any]) -> float:
@@ -247,8 +251,22 @@ def extrapolated(doc: dict[str, Any], to: int = EXTRAPOLATE_TO) -> dict[str, Any
             "rule_query_s_all": base["rule_query_s_all"] * scale,
             "rule_eval_all_s": base["rule_eval_all_s"]["median"] * scale,
             "rule_eval_fleet_s": base["rule_eval_fleet_s"]["median"] * scale,
-            "cli_all_s": base["cli_all_s"]["median"] * scale,
-            "cli_one_s": base["cli_one_s"]["median"] * scale}
+            "cli_all_s": _cli_at(points, base, scale, "cli_all_s"),
+            "cli_one_s": _cli_at(points, base, scale, "cli_one_s"),
+            "cli_recorded": all(_recorded(p, "cli_all_s") and _recorded(p, "cli_one_s") for p in points)}
+
+
+def _recorded(p: dict[str, Any], key: str) -> bool:
+    return p[key].get("paths") == ["prometheus_recorded"]
+
+
+def _cli_at(points: list[dict[str, Any]], base: dict[str, Any], scale: float, key: str) -> float:
+    """The CLI's time at a larger fleet: on the recorded path the largest
+    measured, as the series it reads do not grow with the nodes; else in
+    proportion to the nodes."""
+    if all(_recorded(p, key) for p in points):
+        return max(p[key]["median"] for p in points)
+    return base[key]["median"] * scale
 
 
 def _server(p: dict[str, Any]) -> str:
@@ -330,9 +348,12 @@ def render(res: dict[str, Any], image: str | None) -> str:
     if e.get("rss_bytes") is not None:
         out += ["", f"Extrapolated to {e['nodes']:,} nodes: head series on a straight line through the points; "
                 f"samples/s as those series every {s['scrape_s']} s (a Prometheus that keeps up); memory on a "
-                f"straight line in the series; the rules' samples, rule and CLI times in proportion to the nodes "
-                f"from the {e['basis_nodes']:,}-node point (the one whose scrapes failed least): for the CLI's "
-                "recorded path an upper bound, since the recorded series it reads do not grow with the nodes."]
+                f"straight line in the series; the rules' samples and rule times in proportion to the nodes "
+                f"from the {e['basis_nodes']:,}-node point (the one whose scrapes failed least); "
+                + (("the CLI's times as the largest measured, since on the recorded path the series it reads do "
+                    "not grow with the nodes (the Prometheus it asks must keep its rules up to date: at 10,000 "
+                    "nodes a shard's)")
+                   if e.get("cli_recorded") else "the CLI's times likewise (it read raw series).")]
     out += ["", "Series one node exports (the exporter alone, bench/export_budget.py):", "",
             "| services on the node | budget on (buckets only for SLO/rule services: none here) | "
             "every service with buckets (`histograms: [\"*\"]`) |", "|---:|---:|---:|"]
@@ -367,6 +388,7 @@ def keep_rows(res: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
                 "kept_from": f"{m['date']}, commit {m['commit']}, with `{m['command']}`",
                 "settings": {k: earlier["fleet"]["settings"][k] for k in ("warm_s", "measure_s", "scrape_s")}})
     doc["extrapolated"] = extrapolated(doc)
+    doc["targets"] = targets(doc["points"])
     return res
 
 
