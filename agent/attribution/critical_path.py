@@ -157,16 +157,16 @@ def critical_delay(waits: Mapping[int, Sequence[Wait]], threads: Iterable[int],
             for name, share in now.items():
                 by[name] = by.get(name, 0.0) + share
         last = t
-        if on_path and polling:
-            n_polls += step * density
-            _count(polls, culprit, step * density)
-        elif on_path:
-            n_active += step * density
-            _count(active, culprit, step * density)
-            if culprit not in _NOT_NEIGHBOURS and culprit != own:
-                n_held += step * density
-                _count(held, culprit, step * density)
         if on_path:
+            if polling:
+                n_polls += step * density
+                _count(polls, culprit, step * density)
+            else:
+                n_active += step * density
+                _count(active, culprit, step * density)
+                if culprit not in _NOT_NEIGHBOURS and culprit != own:
+                    n_held += step * density
+                    _count(held, culprit, step * density)
             if density == 1.0:
                 whole += step
             else:
