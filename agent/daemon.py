@@ -96,6 +96,8 @@ class RunOptions:
     config_overrides: tuple[tuple[str, object], ...] = ()
     bpf_stats: str = "sampled"  # --bpf-stats: sampled (1 s a minute), always, off
     web_config_file: str | None = None  # --web-config-file; else the config's web_config_file
+    # --bpf-cache: where the compiled BPF programs are kept for the next start; None: compile every time.
+    bpf_cache: str | None = None
 
 
 class Daemon:
@@ -189,7 +191,8 @@ class Daemon:
         # started first: it imports BCC while this one reads its files and the
         # kernel's features, then compiles while the rest of the agent starts.
         t0 = time.monotonic()
-        builder, self._builder = self._builder or BuildProcess(), None
+        cache_dir = Path(self.options.bpf_cache) if getattr(self.options, "bpf_cache", None) else None
+        builder, self._builder = self._builder or BuildProcess(cache_dir), None
         try:
             self._access = self._load_web_config()
             # Prerequisites before binding anything: an unprivileged start must fail
@@ -208,7 +211,7 @@ class Daemon:
         except BaseException:
             builder.cancel()
             raise
-        self._probe_load = Probe.begin_load(features, tracepoints=mode, process=builder,
+        self._probe_load = Probe.begin_load(features, tracepoints=mode, process=builder, cache_dir=cache_dir,
                                             sizes=MapSizes(event_rate=events_per_window(self.config.event_rate)))
         self._otlp_metrics = self._make_otlp_metrics()
         raise_fd_limit()
@@ -237,9 +240,7 @@ class Daemon:
         if self._probe.btf_refused:
             log.warning("the kernel refused the BTF-typed programs (%s); raw tracepoints instead",
                         self._probe.btf_refused)
-        peak = self._probe.build_peak_bytes
-        log.info("BPF programs attached to %s tracepoints in %.2f s%s", self._probe.mode, time.monotonic() - t0,
-                 f" (compiled by a separate process, peak {peak / 2**20:.0f} MiB resident)" if peak else "")
+        self._log_attached(time.monotonic() - t0)
         self._bpf_stats.start()
         if self._probe.mode != "classic":
             log.info("kernel threads counted as service 'kernel' (recognised in the kernel)")
@@ -253,6 +254,18 @@ class Daemon:
         # Last of the start-up: the receivers' libraries (gRPC) are loaded by now.
         self._release_compiler_memory()
         self._collect_first_interval()
+
+    def _log_attached(self, seconds: float) -> None:
+        """One line for the attach, and one saying why the program cache was not used, if it was not."""
+        cache, note = self._probe.cache
+        if cache == "miss":
+            log.info("BPF program cache: %s", note)
+        elif cache == "refused":
+            log.warning("BPF program cache not used: %s", note)
+        peak = self._probe.build_peak_bytes
+        how = "loaded from the cache" if cache == "hit" else "compiled"
+        log.info("BPF programs attached to %s tracepoints in %.2f s%s", self._probe.mode, seconds,
+                 f" ({how} by a separate process, peak {peak / 2**20:.0f} MiB resident)" if peak else "")
 
     def _load_web_config(self) -> WebAccess | None:
         """The web configuration, read whole before anything binds or compiles:

@@ -1,13 +1,18 @@
-"""The agent compiling in-process against the agent whose build process compiles:
-two checkouts started in turn, side by side in one run.
+"""One agent's start-up against another's: two checkouts started in turn, side
+by side in one run (first: the agent compiling in-process against the one
+whose build process compiles; now: the build process compiling at every start
+against the one that keeps the compiled programs for the next).
 
     git worktree add --detach /tmp/slatrace-before <commit before the change>
     sudo .venv/bin/python -m bench.build_process --before /tmp/slatrace-before [--rounds 7] [--no-write-md]
 
 Each round starts the agent of each checkout twice, alternating A B A B (who
 goes first rotates every round): a first start, with the compiler libraries'
-page cache dropped (a node that just pulled the image), then a restart (the
-page cache warm, as when the kubelet restarts the container). Each start runs
+page cache dropped and, for this checkout, its program cache empty (a node
+that just pulled the image), then a restart (the page cache warm and the
+programs the first start compiled in the cache, as when the kubelet restarts
+the container). This checkout keeps its programs in a private directory
+(--bpf-cache); --no-cache runs it with the cache off. Each start runs
 in a memory cgroup of its own (bench/memcg.py) and is measured as
 bench/footprint.py measures it: spawn -> first /readyz 200, /proc/PID/status
 at ready and STEADY_S later (VmHWM is the agent process's own peak), the
@@ -45,7 +50,7 @@ MIB = 1 << 20
 STEADY_S = 3.0
 PEAK_TARGET = 96 * MIB
 READY_TARGET_S = 1.5
-BUILD_PEAK = re.compile(r"compiled by a separate process, peak (\d+) MiB resident")
+BUILD_PEAK = re.compile(r"(compiled|loaded from the cache) by a separate process, peak (\d+) MiB resident")
 BEGIN = "<!-- BEGIN build-process results: written by `python -m bench.build_process`; edits inside are overwritten -->"
 END = "<!-- END build-process results -->"
 HEADING = "The compile in a process of its own"
@@ -56,13 +61,18 @@ def commit_of(tree: Path) -> str:
                           text=True).stdout.strip() or "?"
 
 
-def one_start(tree: Path, first: bool, log: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Start the agent of `tree` in its own memory cgroup; its figures."""
+def one_start(tree: Path, first: bool, log: Path, env: dict[str, str], cache: Path | None = None) -> dict[str, Any]:
+    """Start the agent of `tree` in its own memory cgroup; its figures.
+    cache: its program cache directory (emptied for a first start)."""
     if first:
         drop_page_cache([Path(env["LD_LIBRARY_PATH"]) / name for name in COMPILER_LIBRARIES])
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
     port = free_port()
     cmd = [sys.executable, "-m", "agent.cli.main", "run", "--listen", f"127.0.0.1:{port}",
            "--otlp-grpc-listen", "off", "--otlp-http-listen", "off"]
+    if cache is not None:
+        cmd += ["--bpf-cache", str(cache)]
     with MemoryCgroup("build-process") as cg:
         old = os.getcwd()
         os.chdir(tree)  # `-m` puts the working directory first on the path
@@ -88,7 +98,8 @@ def one_start(tree: Path, first: bool, log: Path, env: dict[str, str]) -> dict[s
     built = BUILD_PEAK.search(text)
     return {"ready_s": ready, "attach_s": attach_seconds(log), "steady": steady, "charge": asdict(charge),
             # Before the change the agent compiled itself: its own VmHWM was the compile's peak.
-            "build_peak": int(built.group(1)) * MIB if built else None}
+            "build_peak": int(built.group(2)) * MIB if built else None,
+            "from_cache": bool(built and built.group(1) == "loaded from the cache")}
 
 
 def _m(values: list[float]) -> dict[str, float]:
@@ -110,6 +121,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "RssAnon": _m([r["steady"]["RssAnon"] for r in mine]),
                 "RssFile": _m([r["steady"]["RssFile"] for r in mine]),
                 "build_peak": _m(peaks) if peaks else None,
+                "from_cache": sum(1 for r in mine if r.get("from_cache")),
                 "cgroup_peak": _m([r["charge"]["peak"] for r in mine]),
                 "cgroup_steady": _m([r["charge"]["current"] for r in mine]),
                 "kernel": _m([r["charge"]["kernel"] for r in mine])}
@@ -128,7 +140,8 @@ def render(res: dict[str, Any]) -> str:
     s, m = res["summary"], res["machine"]
     lines = [f"Measured {m['date']} on {m['nproc']} CPUs, kernel {m['kernel']}; before = commit {m['before']}, "
              f"after = commit {m['after']}; command `{m['command']}`; {res['rounds']} rounds, each starting both "
-             "agents twice in turn (first start with the compiler libraries' page cache dropped, then a restart), "
+             "agents twice in turn (first start with the compiler libraries' page cache dropped and the after side's "
+             f"program cache {'emptied' if res.get('cache', True) else 'off'}, then a restart), "
              "A B A B with the order rotated every round; medians (min–max). Memory read "
              f"{STEADY_S:.0f} s after ready; OTLP receivers off. Load average (1 min) {m['load_average'][0]:.1f} "
              f"before, {m['load_average'][1]:.1f} after: other engineers' runs share these 2 CPUs, so the times "
@@ -152,11 +165,12 @@ def render(res: dict[str, Any]) -> str:
             lines.append(f"| steady RSS | {after['VmRSS']['median'] / MIB:.0f} MiB | ≤ before "
                          f"({before['VmRSS']['median'] / MIB:.0f} MiB) | {'PASS' if ok else 'MISS'} |")
         lines.append("")
-    lines += ["| agent, start | ready s | attach s | agent VmHWM MiB | build process peak MiB | RSS MiB | RssAnon | "
-              "RssFile | cgroup peak MiB | cgroup steady MiB | of which kernel MiB |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["| agent, start | ready s | attach s | from the cache | agent VmHWM MiB | build process peak MiB | "
+              "RSS MiB | RssAnon | RssFile | cgroup peak MiB | cgroup steady MiB | of which kernel MiB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for label, v in s.items():
-        lines.append(f"| {label} | {_sec(v['ready_s'])} | {_sec(v['attach_s'])} | {_mib(v['VmHWM'])} | "
+        lines.append(f"| {label} | {_sec(v['ready_s'])} | {_sec(v['attach_s'])} | "
+                     f"{v.get('from_cache', 0)} of {v['runs']} | {_mib(v['VmHWM'])} | "
                      f"{_mib(v['build_peak'])} | {_mib(v['VmRSS'])} | {_mib(v['RssAnon'])} | {_mib(v['RssFile'])} | "
                      f"{_mib(v['cgroup_peak'])} | {_mib(v['cgroup_steady'])} | {_mib(v['kernel'])} |")
     return "\n".join(lines) + "\n"
@@ -166,6 +180,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.build_process", description=__doc__.split("\n\n")[0])
     p.add_argument("--before", type=Path, required=True, help="a checkout of the agent to compare with")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-cache", dest="cache", action="store_false", default=True,
+                   help="run this checkout with its program cache off (--bpf-cache off)")
     p.add_argument("--no-write-md", dest="write_md", action="store_false", default=True)
     args = p.parse_args(argv)
     if not (args.before / "agent" / "daemon.py").is_file():
@@ -191,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 for side in sides:
                     log = logdir / f"{side}-{rnd}-{kind.replace(' ', '-')}.log"
                     try:
-                        r = one_start(trees[side], kind == "first start", log, env)
+                        r = one_start(trees[side], kind == "first start", log, env,
+                                      logdir / "bpf-cache" if side == "after" and args.cache else None)
                     except RuntimeError as e:
                         print(f"bench: {e}", file=sys.stderr)
                         return 1
@@ -199,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(r)
                     print(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds} {side:6s} {kind:11s} "
                           f"ready {r['ready_s']:.2f} s, VmHWM {r['steady']['VmHWM'] / MIB:.0f} MiB, RSS "
-                          f"{r['steady']['VmRSS'] / MIB:.0f} MiB, build peak "
+                          f"{r['steady']['VmRSS'] / MIB:.0f} MiB, {'cached' if r['from_cache'] else 'compiled'}, "
+                          "build peak "
                           f"{(r['build_peak'] or 0) / MIB:.0f} MiB, cgroup peak {r['charge']['peak'] / MIB:.0f} "
                           f"/ steady {r['charge']['current'] / MIB:.0f} MiB", flush=True)
     finally:
@@ -209,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                        "before": commit_of(trees["before"]), "after": commit_of(ROOT),
                        "command": " ".join([".venv/bin/python", "-m", "bench.build_process", *argv]),
                        "load_average": [load_before, os.getloadavg()[0]]},
-           "rounds": args.rounds, "runs": runs, "summary": summarize(runs)}
+           "rounds": args.rounds, "cache": args.cache, "runs": runs, "summary": summarize(runs)}
     report.publish(ROOT, "build-process", res, render(res), write_md=args.write_md, begin=BEGIN, end=END,
                    heading=HEADING)
     return 0

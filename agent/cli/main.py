@@ -13,11 +13,13 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from agent import __version__
 from agent.cli.client import add_credential_flags, credentials_from, use_credentials
 from agent.cli.errors import CliError
 from agent.cli.requests import REQUEST_COMMANDS, add_request_commands
+from agent.probe.cache import DEFAULT_DIR as DEFAULT_CACHE_DIR
 from agent.probe.features import ATTACH_MODES
 from agent.errors import SlatraceError
 
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="TLS, client certificates and basic auth for the API, /metrics and the OTLP receivers, "
                           "in node_exporter's --web.config.file format; re-read when its files change or on "
                           "SIGHUP (default: the config's web_config_file)")
+    run.add_argument("--bpf-cache", default=str(DEFAULT_CACHE_DIR), metavar="DIR",
+                     help="keep the compiled BPF programs in DIR, so that a restart on the same kernel loads them "
+                          "without compiling (about a second sooner); 'off' compiles at every start "
+                          "(default %(default)s)")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     check = sub.add_parser("check", help="test every prerequisite and say how to fix what fails")
@@ -102,11 +108,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the agent and reads its config (agent/probe/build.py).
     from agent.probe.build import BuildProcess  # noqa: PLC0415
 
-    builder = BuildProcess()
+    builder = BuildProcess(bpf_cache_dir(args.bpf_cache))
     try:
         return _run(args, builder)
     finally:
         builder.cancel()   # a no-op once the build has answered
+
+
+def bpf_cache_dir(value: str) -> Path | None:
+    """--bpf-cache: a directory, or none for "off" (or empty)."""
+    return None if value.strip().lower() in ("", "off") else Path(value)
 
 
 def _run(args: argparse.Namespace, builder) -> int:
@@ -144,7 +155,8 @@ def _run(args: argparse.Namespace, builder) -> int:
                          otlp_http_listen=args.otlp_http_listen, otlp_endpoint=args.otlp_endpoint,
                          otlp_protocol=args.otlp_protocol, config_path=args.config,
                          config_overrides=tuple(overrides.items()), bpf_stats=args.bpf_stats,
-                         web_config_file=args.web_config_file)
+                         web_config_file=args.web_config_file,
+                         bpf_cache=str(builder.cache_dir) if builder.cache_dir else None)
     return run(config, options, builder)
 
 

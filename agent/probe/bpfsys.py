@@ -20,15 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["BpfMap", "bpf", "possible_cpus", "MAP_LOOKUP_ELEM", "MAP_UPDATE_ELEM", "MAP_DELETE_ELEM",
+__all__ = ["BpfMap", "MapInfo", "ProgramRefused", "bpf", "btf_load", "map_create", "map_info", "possible_cpus",
+           "prog_info", "prog_load", "raw_tracepoint_open", "MAP_LOOKUP_ELEM", "MAP_UPDATE_ELEM", "MAP_DELETE_ELEM",
            "MAP_GET_NEXT_KEY", "MAP_LOOKUP_BATCH", "MAP_UPDATE_BATCH", "MAP_DELETE_BATCH"]
 
 # Commands (enum bpf_cmd)
+MAP_CREATE = 0
 MAP_LOOKUP_ELEM = 1
 MAP_UPDATE_ELEM = 2
 MAP_DELETE_ELEM = 3
 MAP_GET_NEXT_KEY = 4
+PROG_LOAD = 5
 OBJ_GET_INFO_BY_FD = 15
+RAW_TRACEPOINT_OPEN = 17
+BTF_LOAD = 18
 MAP_LOOKUP_BATCH = 24
 MAP_UPDATE_BATCH = 26
 MAP_DELETE_BATCH = 27
@@ -71,7 +76,132 @@ class _Info(ct.Structure):
 class _MapInfo(ct.Structure):
     _fields_ = [("type", ct.c_uint32), ("id", ct.c_uint32), ("key_size", ct.c_uint32),
                 ("value_size", ct.c_uint32), ("max_entries", ct.c_uint32), ("map_flags", ct.c_uint32),
-                ("name", ct.c_char * 16)]
+                ("name", ct.c_char * 16), ("ifindex", ct.c_uint32), ("btf_vmlinux_value_type_id", ct.c_uint32),
+                ("netns_dev", ct.c_uint64), ("netns_ino", ct.c_uint64), ("btf_id", ct.c_uint32),
+                ("btf_key_type_id", ct.c_uint32), ("btf_value_type_id", ct.c_uint32)]
+
+
+class _ProgInfo(ct.Structure):
+    _fields_ = [("type", ct.c_uint32), ("id", ct.c_uint32), ("tag", ct.c_uint8 * 8), ("jited_prog_len", ct.c_uint32),
+                ("xlated_prog_len", ct.c_uint32), ("jited_prog_insns", ct.c_uint64),
+                ("xlated_prog_insns", ct.c_uint64), ("load_time", ct.c_uint64), ("created_by_uid", ct.c_uint32),
+                ("nr_map_ids", ct.c_uint32), ("map_ids", ct.c_uint64), ("name", ct.c_char * 16)]
+
+
+class _MapCreate(ct.Structure):
+    _fields_ = [("map_type", ct.c_uint32), ("key_size", ct.c_uint32), ("value_size", ct.c_uint32),
+                ("max_entries", ct.c_uint32), ("map_flags", ct.c_uint32), ("inner_map_fd", ct.c_uint32),
+                ("numa_node", ct.c_uint32), ("map_name", ct.c_char * 16), ("map_ifindex", ct.c_uint32),
+                ("btf_fd", ct.c_uint32), ("btf_key_type_id", ct.c_uint32), ("btf_value_type_id", ct.c_uint32)]
+
+
+class _ProgLoad(ct.Structure):
+    _fields_ = [("prog_type", ct.c_uint32), ("insn_cnt", ct.c_uint32), ("insns", ct.c_uint64),
+                ("license", ct.c_uint64), ("log_level", ct.c_uint32), ("log_size", ct.c_uint32),
+                ("log_buf", ct.c_uint64), ("kern_version", ct.c_uint32), ("prog_flags", ct.c_uint32),
+                ("prog_name", ct.c_char * 16), ("prog_ifindex", ct.c_uint32),
+                ("expected_attach_type", ct.c_uint32), ("prog_btf_fd", ct.c_uint32),
+                ("func_info_rec_size", ct.c_uint32), ("func_info", ct.c_uint64), ("func_info_cnt", ct.c_uint32),
+                ("line_info_rec_size", ct.c_uint32), ("line_info", ct.c_uint64), ("line_info_cnt", ct.c_uint32),
+                ("attach_btf_id", ct.c_uint32), ("attach_prog_fd", ct.c_uint32)]
+
+
+class _BtfLoad(ct.Structure):
+    _fields_ = [("btf", ct.c_uint64), ("btf_log_buf", ct.c_uint64), ("btf_size", ct.c_uint32),
+                ("btf_log_size", ct.c_uint32), ("btf_log_level", ct.c_uint32)]
+
+
+class _RawTracepointOpen(ct.Structure):
+    _fields_ = [("name", ct.c_uint64), ("prog_fd", ct.c_uint32), ("_pad", ct.c_uint32)]
+
+
+LOG_SIZE = 1 << 20   # the verifier's log, asked for only to explain a refusal
+
+
+class ProgramRefused(Exception):
+    """The kernel refused a program; the message carries the verifier's last word."""
+
+    def __init__(self, name: str, err: int, why: str) -> None:
+        super().__init__(f"the kernel refused the {name} program ({os.strerror(err)}): {why}")
+        self.name, self.errno, self.why = name, err, why
+
+
+@dataclass(frozen=True)
+class MapInfo:
+    """A map's definition as the kernel holds it."""
+
+    type: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+    btf_id: int
+
+
+def map_info(fd: int) -> MapInfo:
+    """BPF_OBJ_GET_INFO_BY_FD on a map; OSError if the kernel refuses."""
+    info = _MapInfo()
+    res = bpf(OBJ_GET_INFO_BY_FD, _Info(bpf_fd=fd, info_len=ct.sizeof(info), info=ct.addressof(info)))
+    if res < 0:
+        raise OSError(-res, f"describing BPF map fd {fd}: {os.strerror(-res)}")
+    return MapInfo(info.type, info.key_size, info.value_size, info.max_entries, info.map_flags,
+                   info.name.decode(errors="replace"), info.btf_id)
+
+
+def prog_info(fd: int) -> tuple[int, str, bytes]:
+    """A program's type, name and tag (the kernel's hash of its instructions
+    with map references zeroed: equal tags, equal programs)."""
+    info = _ProgInfo()
+    res = bpf(OBJ_GET_INFO_BY_FD, _Info(bpf_fd=fd, info_len=ct.sizeof(info), info=ct.addressof(info)))
+    if res < 0:
+        raise OSError(-res, f"describing BPF program fd {fd}: {os.strerror(-res)}")
+    return info.type, info.name.decode(errors="replace"), bytes(info.tag)
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, flags: int = 0, name: str = "",
+               inner_map_fd: int = 0, btf_fd: int = 0, btf_key_type_id: int = 0, btf_value_type_id: int = 0) -> int:
+    """BPF_MAP_CREATE: the map's fd, or -errno."""
+    return bpf(MAP_CREATE, _MapCreate(map_type=map_type, key_size=key_size, value_size=value_size,
+                                      max_entries=max_entries, map_flags=flags, inner_map_fd=inner_map_fd,
+                                      map_name=name.encode()[:15], btf_fd=btf_fd, btf_key_type_id=btf_key_type_id,
+                                      btf_value_type_id=btf_value_type_id))
+
+
+def btf_load(blob: bytes) -> int:
+    """BPF_BTF_LOAD: the BTF object's fd, or -errno."""
+    buf = ct.create_string_buffer(blob, len(blob))
+    return bpf(BTF_LOAD, _BtfLoad(btf=ct.addressof(buf), btf_size=len(blob)))
+
+
+def prog_load(name: str, prog_type: int, insns: bytes, license_: bytes, kern_version: int = 0,
+              expected_attach_type: int = 0, attach_btf_id: int = 0) -> int:
+    """BPF_PROG_LOAD: the program's fd. Raises ProgramRefused with the
+    verifier's reason (the load is retried with its log to get it)."""
+    code = ct.create_string_buffer(insns, len(insns))
+    lic = ct.create_string_buffer(license_)
+    attr = _ProgLoad(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ct.addressof(code),
+                     license=ct.addressof(lic), kern_version=kern_version, prog_name=name.encode()[:15],
+                     expected_attach_type=expected_attach_type, attach_btf_id=attach_btf_id)
+    fd = bpf(PROG_LOAD, attr)
+    if fd >= 0:
+        return fd
+    log = ct.create_string_buffer(LOG_SIZE)
+    attr.log_level, attr.log_size, attr.log_buf = 1, LOG_SIZE, ct.addressof(log)
+    fd = bpf(PROG_LOAD, attr)
+    if fd >= 0:
+        return fd
+    # The verifier's reason is its last line but the statistics it ends with.
+    lines = [ln for ln in log.value.decode(errors="replace").splitlines()
+             if ln.strip() and not ln.startswith(("processed ", "verification time"))]
+    raise ProgramRefused(name, -fd, lines[-1] if lines else os.strerror(-fd))
+
+
+def raw_tracepoint_open(prog_fd: int, name: str | None) -> int:
+    """BPF_RAW_TRACEPOINT_OPEN: the attachment's fd, or -errno. No name: a
+    BTF-typed program, whose attach point is in the program itself."""
+    tp = ct.create_string_buffer(name.encode()) if name else None
+    return bpf(RAW_TRACEPOINT_OPEN, _RawTracepointOpen(name=ct.addressof(tp) if tp else 0, prog_fd=prog_fd))
 
 
 def possible_cpus(path: Path = Path("/sys/devices/system/cpu/possible")) -> int:

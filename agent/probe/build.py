@@ -14,6 +14,12 @@ links), which keep the programs attached while any process holds them. It
 then leaves at once with os._exit(): BCC's exit handlers would disable the
 perf events the agent now shares. The agent reads the maps with the bpf(2)
 system call (agent/probe/bpfsys.py) and never maps libbcc or the compiler.
+
+With a cache directory, the child first looks there for the programs of the
+same compile (agent/probe/cache.py): found, it creates, loads and attaches
+them with bpf(2) (agent/probe/bpfload.py) and never imports BCC; else, or if
+the kernel refuses them, it compiles as above and records the result for the
+next start. The reply says which, and why the cache was not used.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import agent
+from agent.probe.cache import CacheMiss, CacheProblem, ProgramCache, Programs, cache_key, kernel_identity
 from agent.probe.footprint import compiler_files, drop_page_cache, resident_peak
 
 log = logging.getLogger(__name__)
@@ -74,6 +82,10 @@ class Built:
     programs: dict[str, int]                   # tracepoint -> program fd
     attachments: list[int]                     # closing these detaches the programs
     peak_bytes: int | None = None              # the child's VmHWM: the compile's resident peak
+    # Where the programs came from: "hit" (the cache), "compiled" (the cache
+    # missed or failed: cache_note says why), "off" (no cache).
+    cache: str = "off"
+    cache_note: str = ""
 
     def close(self) -> None:
         for fd in [*self.attachments, *self.programs.values(), *self.maps.values()]:
@@ -87,16 +99,19 @@ class Built:
 
 class BuildProcess:
     """The child, started before the agent knows what to ask: it imports BCC
-    (~0.2 s) while the agent reads its config and the kernel's features, then
-    waits for its one request. cancel() stops it if none comes."""
+    (~0.2 s) while the agent reads its config and the kernel's features
+    (unless the cache holds programs it will likely load instead), then
+    waits for its one request. cancel() stops it if none comes. cache_dir:
+    where compiled programs are kept (agent/probe/cache.py), None for none."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_dir: Path | None = None) -> None:
+        self.cache_dir = cache_dir
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # This process's own agent package first, not one the working directory may hold.
         root = str(Path(agent.__file__).resolve().parent.parent)
         code = f"import sys; sys.path.insert(0, {root!r}); from agent.probe.build import main; main(sys.argv[1:])"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), str(cache_dir or "")],
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         except BaseException:
             self.sock.close()
@@ -173,7 +188,8 @@ class PendingBuild:
         return Built(maps={k: fds[i] for k, i in reply["maps"].items()},
                      types={k: tuple(v) for k, v in reply["types"].items()},
                      programs={k: fds[i] for k, i in reply["programs"].items()},
-                     attachments=[fds[i] for i in reply["attachments"]], peak_bytes=reply["peak_bytes"])
+                     attachments=[fds[i] for i in reply["attachments"]], peak_bytes=reply["peak_bytes"],
+                     cache=reply.get("cache", "off"), cache_note=reply.get("cache_note", ""))
 
 
 def _no_answer(status: int) -> str:
@@ -200,7 +216,9 @@ def _bcc_maps(bpf) -> tuple[dict[str, int], dict[str, tuple[str, str]]]:
     return fds, types
 
 
-def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
+def _compile_and_attach(request: dict) -> tuple[dict, list[int], Callable[[str], Programs] | None]:
+    """Compile, load, attach: the reply, its fds, and what records the
+    result for the cache (given the key)."""
     from bcc import BPF  # noqa: PLC0415  (only this process maps the compiler)
 
     from agent.probe.tracing import TracingPrograms  # noqa: PLC0415
@@ -211,7 +229,7 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
         # libbcc's errno when it gave up (ctypes keeps it): ENOMEM is a map
         # the kernel could not charge, BCC's message says "failed to compile".
         if ct.get_errno() == errno.ENOMEM:
-            return {"error": "ENOMEM", "kind": "enomem"}, []
+            return {"error": "ENOMEM", "kind": "enomem"}, [], None
         raise
     maps, types = _bcc_maps(bpf)
     programs = {name.decode().rsplit("__", 1)[-1]: fn.fd for name, fn in bpf.funcs.items()}
@@ -221,6 +239,50 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
         tracing.attach()
         programs.update(tracing.prog_fds)
         attachments += tracing.link_fds
+    reply, fds = _reply(maps, types, programs, attachments,
+                        compiler_files(Path("/proc/self/maps").read_text()))
+
+    return reply, fds, lambda key: _record(key, bpf, request["trace_ids"], maps, types, programs)
+
+
+def _record(key: str, bpf, trace_ids: dict[str, int], maps: dict[str, int], types: dict[str, tuple[str, str]],
+            programs: dict[str, int]) -> Programs:
+    """What loading the compiled programs again needs (agent/probe/cache.py),
+    from BCC's module and the kernel's own description of what it loaded."""
+    from agent.probe.bpfsys import map_info, prog_info  # noqa: PLC0415
+    from agent.probe.cache import MapDef, ProgramDef, relocate  # noqa: PLC0415
+    from agent.probe.layout import INNER_MAPS  # noqa: PLC0415
+    from agent.probe.tracing import BPF_TRACE_RAW_TP, PREFIX  # noqa: PLC0415
+
+    lib = __import__("bcc").libbcc.lib
+    defs = []
+    for name, fd in maps.items():
+        info = map_info(fd)
+        defs.append(MapDef(name, info.type, info.key_size, info.value_size, info.max_entries, info.flags, info.name,
+                           *types[name], inner=INNER_MAPS.get(name)))
+    index = {fd: i for i, fd in enumerate(maps.values())}
+    # (function in the module, tracepoint, attach, category, BTF id of the tracepoint)
+    functions = [(PREFIX + name.encode(), name, "btf", "", btf_id) for name, btf_id in trace_ids.items()]
+    for fname in bpf.funcs:
+        kind, *where = fname.decode().split("__")
+        if kind not in ("tracepoint", "raw_tracepoint"):
+            raise CacheProblem(f"the compiled {fname.decode()} program is of a kind the cache cannot attach")
+        classic = kind == "tracepoint"
+        functions.append((fname, where[-1], "perf" if classic else "raw", where[0] if classic else "", 0))
+    progs = []
+    for fname, name, attach, category, btf_id in functions:
+        prog_type, kernel_name, _ = prog_info(programs[name])
+        insns, refs = relocate(bpf.dump_func(fname), index)
+        progs.append(ProgramDef(name, kernel_name, prog_type, attach, insns, refs, category,
+                                BPF_TRACE_RAW_TP if attach == "btf" else 0, btf_id))
+    return Programs(key=key, license=lib.bpf_module_license(bpf.module).decode(),
+                    kern_version=int(lib.bpf_module_kern_version(bpf.module)), maps=tuple(defs),
+                    programs=tuple(progs))
+
+
+def _reply(maps: dict[str, int], types: dict[str, tuple[str, str]], programs: dict[str, int],
+           attachments: list[int], compiler: list[str]) -> tuple[dict, list[int]]:
+    """The reply to the agent, with its fds in the order the reply's indices name."""
     fds: list[int] = []
 
     def index(fd: int) -> int:
@@ -230,28 +292,85 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int]]:
     reply = {"maps": {k: index(fd) for k, fd in maps.items()}, "types": types,
              "programs": {k: index(fd) for k, fd in programs.items()},
              "attachments": [index(fd) for fd in attachments], "peak_bytes": resident_peak(),
-             "compiler_files": compiler_files(Path("/proc/self/maps").read_text())}
+             "compiler_files": compiler}
+    return reply, fds
+
+
+def _from_cache(cache: ProgramCache, key: str) -> tuple[dict, list[int]]:
+    """The programs of the record `key`, created, loaded and attached without
+    the compiler. Raises CacheProblem (the message says why) for anything
+    that makes the record unusable, OSError(ENOMEM) for the memory limit."""
+    from agent.probe import bpfload  # noqa: PLC0415
+    from agent.probe.bpfsys import ProgramRefused  # noqa: PLC0415
+    from agent.probe.features import find_tracefs  # noqa: PLC0415
+
+    programs = cache.read(key)
+    try:
+        loaded = bpfload.load(programs, find_tracefs() or Path("/sys/kernel/tracing"))
+    except ProgramRefused as e:
+        cache.discard(key)
+        raise CacheProblem(f"{e} (a cached program)") from None
+    except CacheProblem:
+        cache.discard(key)
+        raise
+    except OSError as e:
+        if e.errno == errno.ENOMEM:
+            raise
+        raise CacheProblem(f"the cached programs could not be loaded: {e}") from None
+    types = {m.name: (m.key_desc, m.value_desc) for m in programs.maps}
+    return _reply(loaded.maps, types, loaded.programs, loaded.attachments, [])
+
+
+def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
+    """The reply to one request: from the cache if it can, else compiled (and recorded)."""
+    key, state, note = None, "off", ""
+    if cache is not None:
+        try:
+            key = cache_key(Path(request["src"]).parent, request["cflags"], request["mode"],
+                            request["trace_ids"], agent.__version__, kernel_identity())
+            reply, fds = _from_cache(cache, key)
+            reply.update(cache="hit", cache_note=str(cache.path(key)))
+            return reply, fds
+        except CacheMiss as e:
+            state, note = "miss", str(e)
+        except CacheProblem as e:
+            state, note = "refused", str(e)
+        except OSError as e:
+            if e.errno == errno.ENOMEM:
+                return {"error": "ENOMEM", "kind": "enomem"}, []
+            state, note = "refused", f"the cache cannot be used: {e}"
+    reply, fds, record = _compile_and_attach(request)
+    if key is None or "error" in reply:
+        reply.update(cache=state, cache_note=note)
+        return reply, fds
+    try:
+        note += f"; compiled and stored in {cache.store(record(key))}"
+    except (CacheProblem, OSError) as e:
+        note += f"; compiled, not stored: {e}"
+    reply.update(cache=state, cache_note=note)
     return reply, fds
 
 
 def main(argv: list[str]) -> int:
     """The child: one request in, one reply (with the fds) out, then exit
-    without BCC's clean-up."""
+    without BCC's clean-up. argv: the socket's fd, the cache directory ("" for none)."""
     sock = socket.socket(fileno=int(argv[0]))
+    cache = ProgramCache(Path(argv[1])) if len(argv) > 1 and argv[1] else None
     status = 0
     try:
-        try:  # imported before the request comes, while the agent is still starting
-            import bcc  # noqa: F401, PLC0415
+        if cache is None or not cache.has_records():
+            try:  # imported before the request comes, while the agent is still starting
+                import bcc  # noqa: F401, PLC0415
 
-            import agent.probe.tracing  # noqa: F401, PLC0415
-        except Exception:  # noqa: BLE001  (the compile imports them again and answers with the reason)
-            pass
+                import agent.probe.tracing  # noqa: F401, PLC0415
+            except Exception:  # noqa: BLE001  (the compile imports them again and answers with the reason)
+                pass
         message = sock.recv(MAX_MESSAGE)
         if not message:  # the agent gave up before asking (a bad config, no privileges)
             os._exit(0)
         request = json.loads(message)
         try:
-            reply, fds = _compile_and_attach(request)
+            reply, fds = _serve(request, cache)
         except Exception as e:  # noqa: BLE001  (BCC raises bare Exception; the message goes to the agent)
             from agent.probe.tracing import TracingError  # noqa: PLC0415
 

@@ -162,5 +162,9 @@ MAP_TYPES: dict[str, tuple[type, type]] = {
     "event_rates": (ct.c_uint32, EventRate),
 }
 
+# Map of maps -> the map its entries are shaped like, as BPF_ARRAY_OF_MAPS
+# names it in bpf/sched.bpf.c: a map of maps is created from such a map.
+INNER_MAPS: dict[str, str] = {"fence": "fence_inner"}
+
 # Maps drained every interval: their keys carry a generation.
 DRAINED_MAPS = ("hists", "blame", "cgroups")

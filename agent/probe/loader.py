@@ -173,28 +173,37 @@ class Probe:
 
     @classmethod
     def load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
-             skip_wakeups: int = 0) -> "Probe":
+             skip_wakeups: int = 0, cache_dir: Path | None = None) -> "Probe":
         """Compile and attach. tracepoints: "auto" (the cheapest this kernel
         has), "btf", "raw" or "classic"; ValueError when the one asked for
         cannot be used here. Where the kernel refuses the BTF-typed programs
         (a kernel between 5.11 and the one that let tracing programs use
         task-local storage), "auto" takes raw tracepoints and says why in
-        btf_refused. skip_wakeups: see cflags()."""
-        return cls.begin_load(features, sizes, tracepoints, skip_wakeups).result()
+        btf_refused. skip_wakeups: see cflags(). cache_dir: where compiled
+        programs are kept (agent/probe/cache.py); None compiles every time."""
+        return cls.begin_load(features, sizes, tracepoints, skip_wakeups, cache_dir=cache_dir).result()
 
     @classmethod
     def begin_load(cls, features: Features, sizes: MapSizes = MapSizes(), tracepoints: str = "auto",
-                   skip_wakeups: int = 0, process: BuildProcess | None = None) -> "ProbeLoad":
+                   skip_wakeups: int = 0, process: BuildProcess | None = None,
+                   cache_dir: Path | None = None) -> "ProbeLoad":
         """load(), started: the compile runs in its own process while the
         caller goes on; ProbeLoad.result() gives the Probe. `process`: a build
-        process started ahead (it has imported BCC meanwhile)."""
+        process started ahead (it has imported BCC meanwhile), with the same
+        cache_dir."""
         return ProbeLoad(cls, features, sizes, attach_mode(features, tracepoints), tracepoints == "auto",
-                         skip_wakeups, process)
+                         skip_wakeups, process, cache_dir)
 
     @property
     def build_peak_bytes(self) -> int | None:
         """The build process's resident peak (VmHWM): the compile's."""
         return self._built.peak_bytes
+
+    @property
+    def cache(self) -> tuple[str, str]:
+        """Where the programs came from ("hit", "miss", "refused" or "off":
+        agent/probe/build.py) and the build process's note on it."""
+        return self._built.cache, self._built.cache_note
 
     def map_type_descriptions(self) -> dict[str, tuple[str, str]]:
         """Map name -> BCC's JSON descriptions of its key and value types, as compiled."""
@@ -494,9 +503,9 @@ class ProbeLoad:
     (agent/probe/build.py); result() waits for it, cancel() stops it."""
 
     def __init__(self, probe_cls: type[Probe], features: Features, sizes: MapSizes, mode: str, fall_back: bool,
-                 skip_wakeups: int, process: BuildProcess | None = None) -> None:
+                 skip_wakeups: int, process: BuildProcess | None = None, cache_dir: Path | None = None) -> None:
         self._cls, self._features, self._sizes, self._skip = probe_cls, features, sizes, skip_wakeups
-        self._process = process
+        self._process, self._cache_dir = process, cache_dir
         # "auto" on BTF-typed tracepoints falls back to raw ones if the kernel refuses them
         self._fall_back = fall_back and mode == "btf"
         self._mode = mode
@@ -505,6 +514,8 @@ class ProbeLoad:
     def _begin(self, mode: str) -> PendingBuild:
         trace_ids = dict(self._features.task_layout.btf_trace_ids) if mode == "btf" else {}
         process, self._process = self._process, None   # a child started ahead serves the first build
+        if process is None:
+            process = BuildProcess(self._cache_dir)
         return PendingBuild(bpf_source_dir() / "sched.bpf.c", cflags(self._features, self._sizes, mode, self._skip),
                             mode, trace_ids, process=process)
 

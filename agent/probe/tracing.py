@@ -19,39 +19,16 @@ import errno
 import os
 
 from agent.errors import SlatraceError
-from agent.probe.features import syscall
+from agent.probe.bpfsys import ProgramRefused, prog_load, raw_tracepoint_open
 
-# bpf(2) commands, program type and attach type (include/uapi/linux/bpf.h)
-BPF_PROG_LOAD = 5
-BPF_RAW_TRACEPOINT_OPEN = 17
+# Program type and attach type (include/uapi/linux/bpf.h)
 BPF_PROG_TYPE_TRACING = 26
 BPF_TRACE_RAW_TP = 23
 PREFIX = b"tp_btf__"
-LOG_SIZE = 1 << 20
 
 
 class TracingError(SlatraceError):
     """The kernel refused a BTF-typed tracepoint program."""
-
-
-class _ProgLoad(ct.Structure):
-    _fields_ = [("prog_type", ct.c_uint32), ("insn_cnt", ct.c_uint32), ("insns", ct.c_uint64),
-                ("license", ct.c_uint64), ("log_level", ct.c_uint32), ("log_size", ct.c_uint32),
-                ("log_buf", ct.c_uint64), ("kern_version", ct.c_uint32), ("prog_flags", ct.c_uint32),
-                ("prog_name", ct.c_char * 16), ("prog_ifindex", ct.c_uint32),
-                ("expected_attach_type", ct.c_uint32), ("prog_btf_fd", ct.c_uint32),
-                ("func_info_rec_size", ct.c_uint32), ("func_info", ct.c_uint64), ("func_info_cnt", ct.c_uint32),
-                ("line_info_rec_size", ct.c_uint32), ("line_info", ct.c_uint64), ("line_info_cnt", ct.c_uint32),
-                ("attach_btf_id", ct.c_uint32), ("attach_prog_fd", ct.c_uint32)]
-
-
-class _RawTracepointOpen(ct.Structure):
-    _fields_ = [("name", ct.c_uint64), ("prog_fd", ct.c_uint32), ("_pad", ct.c_uint32)]
-
-
-def _bpf(cmd: int, attr: ct.Structure) -> int:
-    """The fd bpf(2) returned, or -errno."""
-    return syscall("bpf", ct.c_int(cmd), ct.byref(attr), ct.c_uint(ct.sizeof(attr)))
 
 
 class TracingPrograms:
@@ -79,30 +56,18 @@ class TracingPrograms:
 
     @staticmethod
     def _load(name: str, insns: int, size: int, license_: bytes, btf_id: int) -> int:
-        attr = _ProgLoad(prog_type=BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=insns,
-                         license=ct.cast(ct.c_char_p(license_), ct.c_void_p).value,
-                         prog_name=name.encode()[:15], expected_attach_type=BPF_TRACE_RAW_TP,
-                         attach_btf_id=btf_id)
-        fd = _bpf(BPF_PROG_LOAD, attr)
-        if fd >= 0:
-            return fd
-        # Again with the verifier's log, for the message.
-        log = ct.create_string_buffer(LOG_SIZE)
-        attr.log_level, attr.log_size, attr.log_buf = 1, LOG_SIZE, ct.addressof(log)
-        fd = _bpf(BPF_PROG_LOAD, attr)
-        if fd >= 0:
-            return fd
-        # The verifier's reason is its last line but the statistics it ends with.
-        lines = [ln for ln in log.value.decode(errors="replace").splitlines()
-                 if ln.strip() and not ln.startswith(("processed ", "verification time"))]
-        why = lines[-1] if lines else os.strerror(-fd)
-        raise TracingError(f"the kernel refused the BTF-typed {name} program ({os.strerror(-fd)}): {why}")
+        try:
+            return prog_load(name, BPF_PROG_TYPE_TRACING, ct.string_at(insns, size), license_,
+                             expected_attach_type=BPF_TRACE_RAW_TP, attach_btf_id=btf_id)
+        except ProgramRefused as e:
+            raise TracingError(f"the kernel refused the BTF-typed {name} program ({os.strerror(e.errno)}): "
+                               f"{e.why}") from None
 
     def attach(self) -> None:
         for name, fd in self.prog_fds.items():
             if name in self._links:
                 continue
-            link = _bpf(BPF_RAW_TRACEPOINT_OPEN, _RawTracepointOpen(name=0, prog_fd=fd))
+            link = raw_tracepoint_open(fd, None)
             if link < 0:
                 raise TracingError(f"cannot attach the BTF-typed {name} program ({os.strerror(-link)})")
             self._links[name] = link

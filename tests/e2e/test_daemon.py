@@ -52,13 +52,16 @@ def test_the_agent_never_maps_the_compiler(agent):
     compilers = sorted(p for p in mapped if any(n in os.path.basename(p) for n in ("libLLVM", "libclang", "libbcc")))
     children = [c for t in os.listdir(f"/proc/{pid}/task")
                 for c in open(f"/proc/{pid}/task/{t}/children").read().split()]
-    built = [line for line in agent.output().splitlines() if "compiled by a separate process, peak" in line]
+    built = [line for line in agent.output().splitlines() if "by a separate process, peak" in line]
     print(f"\nagent VmHWM {peak / 2**20:.0f} MiB, VmRSS {int(status['VmRSS'].split()[0]) / 1024:.0f} MiB; {built}")
     assert compilers == []
     assert peak <= AGENT_PEAK_BOUND
     assert children == []
-    # The build process's own peak is logged: it is what the container's limit must hold at start.
-    assert built and int(built[0].rsplit("peak ", 1)[1].split()[0]) * 2**20 > peak
+    # The build process's own peak is logged: it is what the container's limit must hold at start
+    # (a build process that loaded the programs from the cache never maps the compiler).
+    assert built
+    if "compiled by a separate process" in built[0]:
+        assert int(built[0].rsplit("peak ", 1)[1].split()[0]) * 2**20 > peak
 
 
 def test_attribution_shape_and_consistency(agent):

@@ -5,25 +5,12 @@ others'."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
-from agent.probe.snapshot import HIST_IOWAIT, HIST_RUNQ
-from tests.support.tracefs import TraceRecorder, percentile, reference
-from tests.support.workload import TestCgroup, hog_argv, iowait_argv, victim_argv, wait_zombie
+from tests.support.attach_scene import assert_agree, assert_each_matches_the_reference, run_scene
+from tests.support.tracefs import percentile
 
 pytestmark = pytest.mark.kernel
-
-
-def _figures(snap, cgid: int) -> dict[str, float]:
-    runq = snap.hists.get((cgid, HIST_RUNQ), {})
-    io = snap.hists.get((cgid, HIST_IOWAIT), {})
-    preempted = [p for (v, _), p in snap.pairs.items() if v == cgid]
-    return {"runq_count": sum(b.count for b in runq.values()), "runq_ns": sum(b.sum_ns for b in runq.values()),
-            "io_count": sum(b.count for b in io.values()), "preemptions": sum(p.count for p in preempted),
-            "preempted_ns": sum(p.wait_ns for p in preempted)}
 
 
 def test_every_attach_mode_agrees_with_the_reference(kernel):
@@ -42,40 +29,17 @@ def test_every_attach_mode_agrees_with_the_reference(kernel):
         for mode in modes:
             probes.append(Probe.load(f, tracepoints=mode))
         assert [p.mode for p in probes] == modes
-        with TestCgroup("noisy") as noisy, TestCgroup("victim") as victim_cg, TestCgroup("io") as io_cg:
-            for i in range(4):
-                noisy.spawn(hog_argv(cpu=i % 2))
-            time.sleep(0.3)
-            for p in probes:
-                p.snapshot()
-            with TraceRecorder() as rec:
-                v = victim_cg.spawn(victim_argv(3.0, sleep_ms=1.0, work_ms=2.0))
-                io = io_cg.spawn(iowait_argv(2.0))
-                wait_zombie(v.pid, timeout=40)
-                tids = {int(t) for t in os.listdir(f"/proc/{v.pid}/task")}
-                io.wait(timeout=40)
-            time.sleep(0.05)
-            snaps = {p.mode: p.snapshot() for p in probes}
-            got = {mode: _figures(s, victim_cg.id) for mode, s in snaps.items()}
-            io_counts = {mode: _figures(s, io_cg.id)["io_count"] for mode, s in snaps.items()}
-            v.wait()
+        scene = run_scene({p.mode: p for p in probes})
     finally:
         for p in probes:
             p.close()
-    ref = reference(rec.events, tids)
+    got, ref = scene.victim, scene.reference
     print("".join(f"\n{mode} {got[mode]}" for mode in modes)
           + f"\nreference: {len(ref.runq_waits_ns)} waits, {ref.total_wait_ns} ns, {len(ref.preemptions)} "
           f"preemptions, p99 {percentile(ref.runq_waits_ns, 0.99)}")
-    assert len(ref.runq_waits_ns) > 200 and len(ref.preemptions) > 20
-    for mode, fig in got.items():
-        assert fig["runq_count"] == pytest.approx(len(ref.runq_waits_ns), rel=0.03), mode
-        assert fig["runq_ns"] == pytest.approx(ref.total_wait_ns, rel=0.03), mode
-        assert fig["preemptions"] == pytest.approx(len(ref.preemptions), rel=0.05), mode
-        assert io_counts[mode] > 10, mode
+    assert_each_matches_the_reference(scene)
     for mode in modes[:-1]:
-        for key in ("runq_count", "runq_ns", "preemptions", "preempted_ns"):
-            assert got[mode][key] == pytest.approx(got["classic"][key], rel=0.02, abs=3), (mode, key)
-        assert io_counts[mode] == pytest.approx(io_counts["classic"], rel=0.02, abs=3), mode
+        assert_agree(scene, mode, "classic")
 
 
 def test_auto_takes_raw_tracepoints_when_the_kernel_refuses_the_btf_typed_programs(kernel, monkeypatch):

@@ -479,6 +479,8 @@ class PodSpec:
         ro = m.get("readOnly", False)
         if "hostPath" in vol:
             src = host_paths.get(m["name"], Path(vol["hostPath"]["path"]))
+            if vol["hostPath"].get("type") == "DirectoryOrCreate":
+                src.mkdir(mode=0o700, parents=True, exist_ok=True)   # as the kubelet does
             if vol["hostPath"].get("type") == "Directory" and not src.is_dir():
                 raise EngineError(f"hostPath {src} is not a directory on this node")
         elif "configMap" in vol:

@@ -172,16 +172,21 @@ def test_host_access(daemonset: dict[str, Any], container: dict[str, Any]):
     assert not pod.get("hostIPC", False)
     volumes = {v["name"]: v for v in pod["volumes"]}
     host_paths = {name: v["hostPath"]["path"] for name, v in volumes.items() if "hostPath" in v}
-    assert sorted(host_paths.values()) == ["/lib/modules", "/sys/fs/cgroup", "/sys/kernel/tracing", "/usr/src"]
+    assert sorted(host_paths.values()) == ["/lib/modules", "/sys/fs/cgroup", "/sys/kernel/tracing", "/usr/src",
+                                           "/var/cache/slatrace/bpf"]
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     for name, path in host_paths.items():
-        assert mounts[name]["readOnly"] is True, f"hostPath {path} must be mounted read-only"
         # Mounted where the agent and BCC look for them on a host.
         assert mounts[name]["mountPath"] == path
-    # Everything else the container can write is scratch space.
+        if path != "/var/cache/slatrace/bpf":
+            assert mounts[name]["readOnly"] is True, f"hostPath {path} must be mounted read-only"
+    # Everything else the container can write is scratch space, and the
+    # node's cache of compiled programs, where the agent looks by default.
+    from agent.probe.cache import DEFAULT_DIR
     writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
-    assert writable == {"/tmp"}
+    assert writable == {"/tmp", str(DEFAULT_DIR)}
     assert "emptyDir" in volumes[mounts["tmp"]["name"]]
+    assert volumes[mounts["bpf-cache"]["name"]]["hostPath"]["type"] == "DirectoryOrCreate"
 
 
 def test_probes_on_the_agent_port(container: dict[str, Any]):

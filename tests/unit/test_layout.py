@@ -39,3 +39,11 @@ def test_error_and_cgroup_field_orders_follow_the_header() -> None:
     # cgroup_add_n() adds a (count, ns) pair to every field from lost_runq on.
     pairs = members[members.index("lost_runq"):]
     assert pairs[1::2] == [f + "_ns" for f in pairs[::2]]
+
+
+def test_every_map_of_maps_names_its_inner_map_as_the_source_does() -> None:
+    from agent.probe.loader import bpf_source_dir
+
+    source = (bpf_source_dir() / "sched.bpf.c").read_text()
+    declared = dict(re.findall(r'^BPF_(?:ARRAY|HASH)_OF_MAPS\((\w+),\s*"(\w+)"', source, re.M))
+    assert declared and declared == layout.INNER_MAPS
