@@ -35,6 +35,7 @@ import json
 import os
 import stat
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -205,7 +206,7 @@ class ProgramCache:
         """Whether any record is there: a start with none will compile, so the
         build process imports BCC ahead."""
         try:
-            return any(p.suffix == SUFFIX for p in self.dir.iterdir())
+            return any(p.suffix == SUFFIX and not p.name.startswith(".") for p in self.dir.iterdir())
         except OSError:
             return False
 
@@ -251,12 +252,15 @@ class ProgramCache:
             pass
 
     def _prune(self) -> None:
+        """Keep the newest KEEP records; drop what a writer killed mid-way left (a day old)."""
         try:
-            records = sorted((p for p in self.dir.iterdir() if p.suffix == SUFFIX and not p.name.startswith(".")),
-                             key=lambda p: p.stat().st_mtime, reverse=True)
+            files = [p for p in self.dir.iterdir() if p.suffix == SUFFIX]
+            records = sorted((p for p in files if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime,
+                             reverse=True)
+            stale = [p for p in files if p.name.startswith(".") and p.stat().st_mtime < time.time() - 86400]
         except OSError:
             return
-        for old in records[KEEP:]:
+        for old in records[KEEP:] + stale:
             try:
                 old.unlink()
             except OSError:
