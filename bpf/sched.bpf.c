@@ -443,11 +443,13 @@ static __always_inline void stream_wait(struct task_info *t, u64 cgid, u32 kind,
     send(cgid, kind, start, end, other, task, wait, 1);
 }
 
-/* Whether the current task, switched out runnable, is inside sched_yield:
- * its wait is then a loop polling for work another thread makes, not work
- * held back (user space tells the two apart: agent/attribution/critical_path.py).
+/* Whether a task switched out runnable left the CPU inside sched_yield: its
+ * wait is then a loop polling for work another thread makes, not work held
+ * back (user space tells the two apart: agent/attribution/critical_path.py).
  * The system call number is in the user registers saved at the top of the
- * task's kernel stack. Read only for watched services. */
+ * task's kernel stack, which stay as they were until the task runs again and
+ * returns to user space: read at switch-in, and only for the waits of watched
+ * services, so no other task's switch pays for it. */
 #if defined(RAW_TP) && defined(TASK_STACK_OFF)
 static __always_inline bool yielding(task_key_t task)
 {
@@ -640,10 +642,10 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
                  * wakeup on whoever held the CPU until it ended. */
                 bool preempted = st == TS_PREEMPTED;
                 u64 culprit = preempted ? n->preemptor_cgid : cgid;
-                u32 kind = preempted ? ((n->flags & TF_YIELD) ? EV_YIELD : EV_PREEMPTED) : EV_RUNQ;
+                bool watched = watched_cgroup(c, next_cgid);
+                u32 kind = !preempted ? EV_RUNQ : (watched && yielding(next)) ? EV_YIELD : EV_PREEMPTED;
                 u64 start = since;
                 u64 limit = limit_part(next, n, wait);
-                bool watched = watched_cgroup(c, next_cgid);
                 if (limit) {
                     /* The limit's part is its own cause. A wait that began
                      * throttled has it first, and the rest came after the
@@ -688,7 +690,6 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     }
 
     /* Switch-out: the current task is prev, so its cgroup is at hand. */
-    u32 yield = out_state == TS_PREEMPTED && c.watch_on && yielding(prev) ? TF_YIELD : 0;
     if (p) {
         if (p->state == TS_RUNNABLE || p->state == TS_PREEMPTED)
             cgroup_add(cgid, c.gen, CG_INDEX(untraced_switch_in), 0);
@@ -699,7 +700,6 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         p->cgid = cgid;
         p->preemptor_cgid = next_cgid;
         p->state = out_state;
-        p->flags = (p->flags & ~TF_YIELD) | yield;
         if (out_state == TS_PREEMPTED)
             limit_start(prev, p);
         else
@@ -707,7 +707,7 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
         return 0;
     }
     struct task_info init = {.ts = now, .cgid = cgid, .preemptor_cgid = next_cgid, .state = out_state,
-                             .flags = flags | yield};
+                             .flags = flags};
     if (out_state == TS_PREEMPTED)
         limit_start(prev, &init);
     if (!task_put(prev, &init))

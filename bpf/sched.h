@@ -37,7 +37,6 @@
 #define KTHREADD_PID 2
 #define TF_KTHREAD 1
 #define TF_THR_START 2  /* the task's CPU limit held it when its current wait began */
-#define TF_YIELD 4      /* its current wait began with the task yielding (sched_yield) */
 #define TF_PEND_YIELD 8 /* its pending merged waits (task_info.pend_*) are yields */
 
 /* task_info.state */
