@@ -152,9 +152,10 @@ class Daemon:
         self._access: WebAccess | None = None  # the web configuration (TLS, basic auth), if any
         self._otlp_metrics: OtlpMetricsExporter | None = None  # with --otlp-endpoint
         self.event_log = EventLog(retention_ns=int(min(config.retention, 600.0) * 1e9))
+        names = ThreadNames()
         self.request_sched = EventSched(self.event_log, self._cgroups_of, self._service_of,
-                                        IntervalSched(self.store, config.interval), thread_names=ThreadNames(),
-                                        retention_s=config.retention)
+                                        IntervalSched(self.store, config.interval), thread_names=names,
+                                        parent_of=names.parent, retention_s=config.retention)
         self._watched: set[int] = set()
         self._drain = Worker.periodic("events", "draining scheduler events", self._drain_step, EVENT_DRAIN_S,
                                       first_now=False)
@@ -258,7 +259,7 @@ class Daemon:
     def _log_attached(self, seconds: float) -> None:
         """One line for the attach, and one saying why the program cache was not used, if it was not."""
         cache, note = self._probe.cache
-        if cache == "miss":
+        if cache in ("miss", "unprivileged"):
             log.info("BPF program cache: %s", note)
         elif cache == "refused":
             log.warning("BPF program cache not used: %s", note)

@@ -82,8 +82,10 @@ class Built:
     programs: dict[str, int]                   # tracepoint -> program fd
     attachments: list[int]                     # closing these detaches the programs
     peak_bytes: int | None = None              # the child's VmHWM: the compile's resident peak
-    # Where the programs came from: "hit" (the cache), "compiled" (the cache
-    # missed or failed: cache_note says why), "off" (no cache).
+    # Where the programs came from: "hit" (the cache), else compiled because
+    # the cache had no record ("miss"), could not use it ("refused"; the
+    # record is dropped and written again), was denied the bpf(2) calls
+    # ("unprivileged"), or is "off". cache_note says why.
     cache: str = "off"
     cache_note: str = ""
 
@@ -299,7 +301,9 @@ def _reply(maps: dict[str, int], types: dict[str, tuple[str, str]], programs: di
 def _from_cache(cache: ProgramCache, key: str) -> tuple[dict, list[int]]:
     """The programs of the record `key`, created, loaded and attached without
     the compiler. Raises CacheProblem (the message says why) for anything
-    that makes the record unusable, OSError(ENOMEM) for the memory limit."""
+    that makes the record unusable, OSError(ENOMEM) for the memory limit,
+    PermissionError where this process may not load programs at all (the
+    record is kept: the compile fails the same way and says so)."""
     from agent.probe import bpfload  # noqa: PLC0415
     from agent.probe.bpfsys import ProgramRefused  # noqa: PLC0415
     from agent.probe.features import find_tracefs  # noqa: PLC0415
@@ -308,13 +312,15 @@ def _from_cache(cache: ProgramCache, key: str) -> tuple[dict, list[int]]:
     try:
         loaded = bpfload.load(programs, find_tracefs() or Path("/sys/kernel/tracing"))
     except ProgramRefused as e:
+        if e.errno == errno.EPERM:   # a capability, not the program: the verifier answers EACCES or EINVAL
+            raise PermissionError(errno.EPERM, str(e)) from None
         cache.discard(key)
         raise CacheProblem(f"{e} (a cached program)") from None
     except CacheProblem:
         cache.discard(key)
         raise
     except OSError as e:
-        if e.errno == errno.ENOMEM:
+        if e.errno in (errno.ENOMEM, errno.EPERM):
             raise
         raise CacheProblem(f"the cached programs could not be loaded: {e}") from None
     types = {m.name: (m.key_desc, m.value_desc) for m in programs.maps}
@@ -338,7 +344,8 @@ def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
         except OSError as e:
             if e.errno == errno.ENOMEM:
                 return {"error": "ENOMEM", "kind": "enomem"}, []
-            state, note = "refused", f"the cache cannot be used: {e}"
+            # EPERM: the compile meets the same refusal and names it; the record stays.
+            state, note = ("unprivileged" if e.errno == errno.EPERM else "refused"), f"the cache cannot be used: {e}"
     reply, fds, record = _compile_and_attach(request)
     if key is None or "error" in reply:
         reply.update(cache=state, cache_note=note)

@@ -119,6 +119,8 @@ def cflags(features: Features, sizes: MapSizes, mode: str = "classic", skip_wake
                               CGROUP_KN_OFF=chain.cgroup_kn, KERNFS_NODE_ID_OFF=chain.kernfs_node_id)
         values["TASK_PID_OFF"] = features.task_layout.pid_offset
         values["TASK_FLAGS_OFF"] = features.task_layout.flags_offset
+        if features.task_layout.tgid_offset is not None:
+            values["TASK_TGID_OFF"] = features.task_layout.tgid_offset
         if features.task_layout.state_offset is not None:
             values["TASK_STATE_OFF"] = features.task_layout.state_offset
         clock = features.task_layout.queue_clock
@@ -201,8 +203,9 @@ class Probe:
 
     @property
     def cache(self) -> tuple[str, str]:
-        """Where the programs came from ("hit", "miss", "refused" or "off":
-        agent/probe/build.py) and the build process's note on it."""
+        """Where the programs came from ("hit", "miss", "refused",
+        "unprivileged" or "off": agent/probe/build.py) and the build
+        process's note on it."""
         return self._built.cache, self._built.cache_note
 
     def map_type_descriptions(self) -> dict[str, tuple[str, str]]:

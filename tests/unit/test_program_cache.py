@@ -250,3 +250,21 @@ def test_a_directory_that_cannot_be_written_still_compiles(tmp_path, compiles) -
 def test_without_a_cache_nothing_is_read_or_written(tmp_path, compiles) -> None:
     reply, _ = build._serve(_request(tmp_path), None)
     assert reply["cache"] == "off" and len(compiles) == 1 and list(tmp_path.iterdir()) == [tmp_path / "src"]
+
+
+def test_a_refusal_for_want_of_privileges_keeps_the_record(tmp_path, compiles, monkeypatch) -> None:
+    """EPERM is the process's capabilities, not the record: the compile meets
+    the same refusal and names it, and a privileged start still finds the record."""
+    from agent.probe.bpfsys import ProgramRefused
+
+    cache = ProgramCache(tmp_path / "cache")
+    build._serve(_request(tmp_path), cache)
+    [path] = list((tmp_path / "cache").iterdir())
+
+    def refuse(programs, tracefs):
+        raise ProgramRefused("sched_switch", 1, "")
+
+    monkeypatch.setattr("agent.probe.bpfload.load", refuse)
+    reply, _ = build._serve(_request(tmp_path), cache)
+    assert reply["cache"] == "unprivileged" and "Operation not permitted" in reply["cache_note"]
+    assert len(compiles) == 2 and path.exists()
