@@ -83,9 +83,14 @@ def attachment(release: str | None = None) -> Check:
              "by the system call saved on its kernel stack"
              if layout.syscall_site is not None else
              f"a wait that began with the thread yielding reads as a preemption ({layout.syscall_site_missing})")
+    served = ("a request is followed to the processes that served it (an engine core of several) by the "
+              "wake-ups across a service's processes, from task_struct.tgid"
+              if layout.tgid_offset is not None else
+              "a request's delay counts every process of its service (task_struct has no tgid in the kernel's BTF)")
     details = (f"{where}; task_struct.pid at byte {layout.pid_offset} and .flags at {layout.flags_offset}, from "
                f"the kernel's BTF; {recovery}; {limit} (on classic tracepoints, which pass no task, it cannot be "
-               f"told: --attach-mode classic counts it as unknown); {polls}")
+               f"told: --attach-mode classic counts it as unknown); {polls}; {served} (not on classic "
+               f"tracepoints)")
     if not layout.btf_trace_ids:
         return Check("attachment", True, f"kernel {release}: raw tracepoints, because BTF-typed ones are not "
                      f"usable ({layout.btf_tracing_missing}): {_cost('raw')}; --attach-mode classic also works "

@@ -37,6 +37,7 @@
  *   TASK_STACK_OFF, STACK_SYSCALL_NR_OFF, NR_SCHED_YIELD
  *                 (raw only, x86_64) where a task's system call number is
  *                 saved (agent/probe/btf.py SyscallSite): yielding()
+ *   TASK_TGID_OFF (raw only) where a task's process id is: wake_across()
  *   SKIP_WAKEUPS  tests only: ignore about one wake-up in that many, as if
  *                 the kernel had skipped the program
  */
@@ -715,6 +716,38 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
     return 0;
 }
 
+/* A wake-up that crosses processes of watched services goes out as an
+ * EV_WAKE: an API server handing a request to the engine core that serves
+ * it, the engine core's outputs coming back. User space follows a request to
+ * the processes that served it by them (agent/attribution/request_sched.py);
+ * an engine core that never exchanged one with the request's front end did
+ * not serve it. In an interrupt the current task is whoever ran, not the
+ * waker: such a record names a process that did not serve, which only widens
+ * what user space counts. The woken task's process is read from it, so only
+ * on raw and BTF-typed tracepoints. */
+#if defined(RAW_TP) && defined(TASK_TGID_OFF)
+static __always_inline void wake_across(task_key_t task, u64 cgid)
+{
+    struct ctl c = read_ctl();
+    if (!c.watch_on)
+        return;
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = 0;
+    bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)(task + TASK_TGID_OFF));
+    if (!(u32)id || (u32)(id >> 32) == tgid || !watched_cgroup(c, cgid))
+        return;
+    u64 waker_cgid = bpf_get_current_cgroup_id();
+    if (!watched.lookup(&waker_cgid))
+        return;
+    u64 now = bpf_ktime_get_ns();
+    send(cgid, EV_WAKE, now, now, id >> 32, task, 0, 1);
+}
+#else
+static __always_inline void wake_across(task_key_t task, u64 cgid)
+{
+}
+#endif
+
 static __always_inline int on_wakeup(task_key_t task)
 {
 #ifdef SKIP_WAKEUPS
@@ -729,6 +762,7 @@ static __always_inline int on_wakeup(task_key_t task)
      * enqueue time of a queued task stays the first one. */
     if (st == TS_RUNNING || st == TS_RUNNABLE || st == TS_PREEMPTED)
         return 0;
+    wake_across(task, t->cgid);
     u64 now = bpf_ktime_get_ns();
     if (st == TS_BLOCKED)
         iowait_end(read_ctl(), t, task, now);

@@ -80,6 +80,10 @@
                            * another thread makes); other_cgid = who ran instead. Told where the programs
                            * can read the task's system call (SyscallSite, agent/probe/btf.py), else
                            * such waits are EV_PREEMPTED */
+#define EV_WAKE 6         /* a watched thread woken by a thread of another process of a watched service
+                           * (start == end: the wake-up; other_cgid carries the waker's process id, not a
+                           * cgroup): which of a service's processes handed work to which. Raw and
+                           * BTF-typed tracepoints only (TASK_TGID_OFF) */
 
 /* The causes of a wait, the one vocabulary every figure of delay carries
  * (docs/api.md). The programs decide CAUSE_CPU_LIMIT, the part of a wait

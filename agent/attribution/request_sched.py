@@ -81,6 +81,7 @@ class RequestSched:
 
 
 MAX_THREADS_SHOWN = 10
+MAX_PROCESS_DEPTH = 8   # how far up a process's parents are followed to the request's front end
 
 
 def delay_by_dicts(delay_by: Sequence[tuple[str, float]], own: str) -> list[dict]:
@@ -122,11 +123,12 @@ class RequestSchedSource(Protocol):
         """Wall-clock time up to which figures are complete; ask between() for
         a request only once its end is covered."""
 
-    def between(self, service: str, start: float, end: float) -> RequestSched:
-        """Figures of `service` over [start, end] (Unix seconds)."""
+    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+        """Figures of `service` over [start, end] (Unix seconds); `front`: the
+        process that sent the request's span, when known."""
 
     # Sources that can also cut a request into its phases have
-    # phase_delays(service, [(phase, start, end), ...]) -> tuple[PhaseDelay, ...].
+    # phase_delays(service, [(phase, start, end), ...], front) -> tuple[PhaseDelay, ...].
 
 
 class IntervalSched:
@@ -146,7 +148,7 @@ class IntervalSched:
         latest = self._store.latest()
         return latest.end if latest else 0.0
 
-    def between(self, service: str, start: float, end: float) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
         runq = iowait = limit = 0.0
         preemptions = migrations = 0.0
         by: dict[str, float] = {}
@@ -172,7 +174,8 @@ class IntervalSched:
                             limit_seconds=limit)
 
 
-    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
+    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]],
+                     front: int | None = None) -> tuple[PhaseDelay, ...]:
         return phases_between(self, service, phases)
 
 
@@ -228,8 +231,10 @@ class EventSched:
     def __init__(self, log: EventLog, cgroups_of: Callable[[str], set[int]], service_of: Callable[[int], str],
                  fallback: RequestSchedSource, *, idle_s: float = 120.0, retention_s: float = 900.0,
                  clock: Callable[[], float] = time.time,
-                 thread_names: Callable[[int], tuple[int, str, str] | None] = lambda tid: None) -> None:
+                 thread_names: Callable[[int], tuple[int, str, str] | None] = lambda tid: None,
+                 parent_of: Callable[[int], int | None] = lambda pid: None) -> None:
         self._log = log
+        self._parent_of = parent_of
         self._cgroups_of = cgroups_of
         self._service_of = service_of
         self._fallback = fallback
@@ -335,7 +340,7 @@ class EventSched:
         fallback = self._fallback.covered_until()
         return min(events, fallback) if watching else fallback
 
-    def between(self, service: str, start: float, end: float) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
         with self._lock:
             since = self._watching.get(service, float("inf"))
         if start < since:
@@ -343,6 +348,7 @@ class EventSched:
         offset = self._offset_ns
         cgids = self._cgroups_of(service)
         lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
+        dropped = self.dropped_between(start, end)
         f = self._log.between(cgids, lo, hi)
         by: dict[str, float] = {}
         for cgid, wait_ns in f.preempted_by.items():
@@ -353,7 +359,7 @@ class EventSched:
             name = self._service_of(cgid) if cgid else IDLE
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         waits = self._log.thread_waits(cgids, lo, hi)
-        critical = [tid for tid in waits if self._carries_work(tid)]
+        critical = self._critical(waits, self._served_by(cgids, lo, hi, front, dropped))
         delay = critical_delay(self._blamed(waits), critical, own=service)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
@@ -361,9 +367,10 @@ class EventSched:
                                                        for tid, w in waits.items()}),
                             delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical),
                             service=service, limit_seconds=f.limit_ns / 1e9,
-                            dropped_events=self.dropped_between(start, end))
+                            dropped_events=dropped)
 
-    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]]) -> tuple[PhaseDelay, ...]:
+    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]],
+                     front: int | None = None) -> tuple[PhaseDelay, ...]:
         """The delay inside each phase window (Unix seconds) of one request."""
         if not phases:
             return ()
@@ -373,9 +380,11 @@ class EventSched:
         if start < since:
             return phases_between(self._fallback, service, phases)
         offset = self._offset_ns
-        waits = self._blamed(self._log.thread_waits(self._cgroups_of(service), int(start * 1e9) - offset,
-                                                    int(end * 1e9) - offset))
-        critical = [tid for tid in waits if self._carries_work(tid)]
+        cgids = self._cgroups_of(service)
+        lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
+        raw = self._log.thread_waits(cgids, lo, hi)
+        critical = self._critical(raw, self._served_by(cgids, lo, hi, front, self.dropped_between(start, end)))
+        waits = self._blamed(raw)
         out = []
         for phase, a, b in phases:
             lo, hi = int(a * 1e9) - offset, int(b * 1e9) - offset
@@ -397,6 +406,59 @@ class EventSched:
         if other:
             return self._service_of(other)
         return UNKNOWN_SERVICE if kind in (EV_PREEMPTED, EV_YIELD) else IDLE
+
+    def _critical(self, waits: dict[int, list], served: set[int] | None) -> list[int]:
+        """The threads whose waits make the delay: those that carry work, of
+        the processes that served the request when that is known."""
+        if served is None:
+            return [tid for tid in waits if self._carries_work(tid)]
+        their_parents = {self._parent_of(pid) for pid in served} - {None}
+        return [tid for tid in waits if self._carries_work(tid) and self._serving(tid, served, their_parents)]
+
+    def _served_by(self, cgids: set[int], lo: int, hi: int, front: int | None, dropped: int) -> set[int] | None:
+        """Who served a request: the process that sent its span (`front`, an
+        API server) and its partners, the processes that exchanged a wake-up
+        with it while the request ran (the engine core it handed the request
+        to, whose outputs came back). A front end with several engine cores
+        (vLLM's data parallel) hands each request to one; the others' waits
+        did not hold it. None, all processes count, when the front is not
+        known, when no wake-up across processes was seen (the programs cannot
+        tell them on classic tracepoints, or the front end served the request
+        alone), or when the stream dropped events meanwhile (a wake-up may be
+        among them)."""
+        if front is None or dropped:
+            return None
+        partners: set[int] = set()
+        for waker, woken in self._log.wakes(cgids, lo, hi):
+            names = self._thread_names(woken)
+            if names is None:
+                continue
+            if waker == front and names[0] != front:
+                partners.add(names[0])
+            elif names[0] == front and waker != front:
+                partners.add(waker)
+        return partners | {front} if partners else None
+
+    def _serving(self, tid: int, served: set[int], their_parents: set[int]) -> bool:
+        """Whether the thread's process served: one of `served` (the front
+        end and its partners), or a process one of them started (that engine
+        core's workers); not a sibling of one of them that is none of them
+        (another engine core, another API server) nor a process such a
+        sibling started. Anything else (the processes above) counts."""
+        names = self._thread_names(tid)
+        if names is None:
+            return True
+        pid = names[0]
+        for _ in range(MAX_PROCESS_DEPTH):
+            if pid in served:
+                return True
+            parent = self._parent_of(pid)
+            if parent is None:
+                return True
+            if parent in their_parents:
+                return False
+            pid = parent
+        return True
 
     def _carries_work(self, tid: int) -> bool:
         """A thread named like its process: the main thread (an engine's step

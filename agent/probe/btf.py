@@ -152,6 +152,7 @@ class TaskLayout:
 
     pid_offset: int        # task_struct.pid (pid_t)
     flags_offset: int      # task_struct.flags (unsigned int, PF_*)
+    tgid_offset: int | None = None   # task_struct.tgid (pid_t): the process of a woken task
     # Where prev's state comes from at sched_switch: None when the tracepoint
     # passes it (prev_state, kernels from 5.18); else the offset of the task's
     # own state field, `__state` (unsigned int, from 5.14) or `state` (long,
@@ -403,6 +404,10 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
         raise BtfError("the kernel's BTF has no sched_switch(preempt, prev, next) raw tracepoint prototype")
     pid, flags = _member_offset(btf, "task_struct", "pid"), _member_offset(btf, "task_struct", "flags")
     try:
+        tgid = _member_offset(btf, "task_struct", "tgid")
+    except BtfError:
+        tgid = None   # wake-ups across processes are then not told
+    try:
         clock = {"queue_clock": _queue_clock(btf)}
     except BtfError as e:
         clock = {"queue_clock_missing": str(e)}
@@ -416,12 +421,13 @@ def task_layout(path: Path = VMLINUX) -> TaskLayout:
     except BtfError as e:
         clock["syscall_site_missing"] = str(e)
     if switch_args >= 4:
-        return TaskLayout(pid_offset=pid, flags_offset=flags, **clock)
+        return TaskLayout(pid_offset=pid, flags_offset=flags, tgid_offset=tgid, **clock)
     # Before 5.18 the tracepoint does not pass prev_state: read it from prev.
     for field in ("__state", "state"):
         try:
             state = _member_offset(btf, "task_struct", field)
-            return TaskLayout(pid_offset=pid, flags_offset=flags, state_offset=state, state_field=field, **clock)
+            return TaskLayout(pid_offset=pid, flags_offset=flags, tgid_offset=tgid, state_offset=state,
+                              state_field=field, **clock)
         except BtfError:
             continue
     raise BtfError("sched_switch does not pass prev_state and task_struct has neither __state nor state in the "

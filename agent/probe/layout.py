@@ -44,6 +44,7 @@ EV_IOWAIT = 2
 EV_MIGRATE = 3
 EV_LIMIT = 4   # the part of a run-queue wait its CPU limit held
 EV_YIELD = 5   # a run-queue wait that began with the task yielding (polling)
+EV_WAKE = 6    # a wake-up across processes of watched services (other_cgid: the waker's process id)
 # blame_key.kind
 BLAME_PREEMPTED = 0
 BLAME_HOLDER = 1

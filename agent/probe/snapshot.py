@@ -28,6 +28,7 @@ from agent.probe.layout import (
     EV_MIGRATE,
     EV_PREEMPTED,
     EV_RUNQ,
+    EV_WAKE,
     EV_YIELD,
     HIST_IOWAIT,
     HIST_RUNQ,
@@ -87,7 +88,8 @@ class SchedEvent:
     start_ns: int
     end_ns: int
     # who kept the CPU: the preemptor (EV_PREEMPTED), who ran instead
-    # (EV_YIELD), the holder (EV_RUNQ), self (EV_LIMIT)
+    # (EV_YIELD), the holder (EV_RUNQ), self (EV_LIMIT); the waker's process
+    # id for a wake-up across processes (EV_WAKE)
     other_cgid: int
     tid: int
     wait_ns: int | None = None   # None: end_ns - start_ns, one wait

@@ -14,7 +14,9 @@ cgroup), sorted by end time, with running totals of durations. A window is
 then two binary searches per column plus a short scan of the events that
 straddle its edges (bounded by the column's longest event), whatever the
 number of waits inside it. Run-queue waits are also kept per thread (one
-column per thread id), so a request's wait splits by thread. About 32 bytes
+column per thread id), so a request's wait splits by thread. Wake-ups across
+processes (EV_WAKE) are kept per waking process, with the woken thread, so a
+request can be followed to the processes that served it. About 32 bytes
 per event, 65 for a run-queue wait; `max_events` bounds each of the two sets,
 dropping the oldest.
 """
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.probe.snapshot import (EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, EV_YIELD, RUNQ_KINDS,
+from agent.probe.snapshot import (EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, EV_WAKE, EV_YIELD,
+                                  RUNQ_KINDS,
                                   SchedEvent, event_rows)
 
 
@@ -180,6 +183,7 @@ class _Column:
 
 
 THREAD_KEY = -1  # a column key's "kind" for one thread's run-queue waits
+WAKE_KEY = -2    # ... for one process's wake-ups of another's threads (other: the woken thread)
 
 
 @dataclass(frozen=True)
@@ -215,10 +219,14 @@ class EventLog:
             return
         rows = rows[np.argsort(rows["end_ns"], kind="stable")]
         runq = rows[np.isin(rows["kind"], RUNQ_KINDS + (EV_LIMIT,)) & (rows["tid"] != 0)]
+        wake = rows["kind"] == EV_WAKE
         with self._lock:
-            for (cgid, kind, other), part in _groups(rows, ("cgid", "kind", "other_cgid")):
+            for (cgid, kind, other), part in _groups(rows[~wake], ("cgid", "kind", "other_cgid")):
                 self._column(cgid, (kind, other)).extend(part["start_ns"], part["end_ns"], part["wait_ns"],
                                                          part["waits"])
+            for (cgid, waker), part in _groups(rows[wake], ("cgid", "other_cgid")):
+                self._column(cgid, (WAKE_KEY, waker), by_thread=True).extend(
+                    part["start_ns"], part["end_ns"], part["wait_ns"], part["waits"], part["kind"], part["tid"])
             for (cgid, tid), part in _groups(runq, ("cgid", "tid")):
                 self._column(cgid, (THREAD_KEY, tid), by_thread=True).extend(
                     part["start_ns"], part["end_ns"], part["wait_ns"], part["waits"], part["kind"],
@@ -249,6 +257,8 @@ class EventLog:
                 elif n:
                     col.drop_first(n)
                     self._count -= n
+                    if key[0] == WAKE_KEY and not col.end:
+                        del columns[key]  # so do the processes that wake
         while self._count > self._max_events:
             col = max((c for cols in self._cgroups.values() for k, c in cols.items() if k[0] != THREAD_KEY), key=len)
             n = max(1, len(col) // 10)
@@ -309,6 +319,18 @@ class EventLog:
                         waits = col.clipped(start_ns, end_ns)
                         if waits:
                             out.setdefault(tid, []).extend(waits)
+        return out
+
+    def wakes(self, cgids: set[int], start_ns: int, end_ns: int) -> list[tuple[int, int]]:
+        """(waking process id, woken thread id) of the wake-ups across
+        processes into the cgroups' threads inside [start_ns, end_ns]."""
+        out: list[tuple[int, int]] = []
+        with self._lock:
+            for cgid in cgids:
+                for (kind, waker), col in self._cgroups.get(cgid, {}).items():
+                    if kind == WAKE_KEY:
+                        lo, hi = bisect_left(col.end, start_ns), bisect_right(col.end, end_ns)
+                        out.extend((waker, col.other[i]) for i in range(lo, hi))
         return out
 
     def waits_by_thread(self, cgids: set[int], start_ns: int, end_ns: int) -> dict[int, int]:

@@ -99,3 +99,70 @@ def test_a_spinning_loops_waits_merge_and_hold_every_wait(unlimited_probe):
     doc = merged.measure(unlimited_probe)
     print("\n" + merged.summary(doc))
     merged.judge(doc, "host", emulated=False)
+
+
+# Two processes take turns over two pipes, each sleeping a millisecond before
+# it writes, so every write wakes the other asleep in read(); a thread of the
+# parent wakes the parent's main thread as often (a wake-up inside one
+# process, which must not stream).
+PING_PONG = r"""
+import os, sys, threading, time
+n = int(sys.argv[1])
+a_r, a_w = os.pipe()
+b_r, b_w = os.pipe()
+child = os.fork()
+if child == 0:
+    for _ in range(n):
+        os.read(a_r, 1)
+        time.sleep(0.001)
+        os.write(b_w, b"x")
+    os._exit(0)
+ev = threading.Event()
+def poke():
+    for _ in range(n):
+        time.sleep(0.002)
+        ev.set()
+t = threading.Thread(target=poke)
+t.start()
+for _ in range(n):
+    time.sleep(0.001)
+    os.write(a_w, b"x")
+    os.read(b_r, 1)
+t.join()
+os.waitpid(child, 0)
+print(child, flush=True)
+"""
+
+
+@pytest.mark.parametrize("unlimited_probe_each_mode", ["btf", "raw", "classic"], indirect=True)
+def test_wake_ups_across_processes_name_the_waking_process(unlimited_probe_each_mode):
+    """A wake-up of a watched thread by another process of a watched service
+    streams as EV_WAKE naming the waking process (other_cgid) and the woken
+    thread: one per turn each way, as the scene makes them, none inside a
+    process. Classic tracepoints cannot tell the woken task's process: none."""
+    import subprocess
+
+    from agent.probe.snapshot import EV_WAKE
+    from tests.support.workload import PYTHON
+
+    probe, turns = unlimited_probe_each_mode, 300
+    with TestCgroup("pingpong") as cg:
+        probe.watch({cg.id})
+        proc = cg.spawn([PYTHON, "-c", PING_PONG, str(turns)], stdout=subprocess.PIPE, text=True)
+        out, _ = proc.communicate(timeout=60)
+        time.sleep(0.1)
+        events = probe.drain_events()
+        snap = probe.snapshot()
+    parent, child = proc.pid, int(out.split()[0])
+    wakes = [(e.other_cgid, e.tid) for e in events if e.kind == EV_WAKE]
+    print(f"\n{probe.mode}: {len(wakes)} wake-ups across processes; parent woke child "
+          f"{wakes.count((parent, child))}, child woke parent {wakes.count((child, parent))} of {turns} turns")
+    assert snap.errors["events"] == 0 and snap.errors["events_rate_limited"] == 0
+    if probe.mode == "classic":
+        assert wakes == []
+        return
+    # Beside the turns, the fork wakes the new child and its exit the parent
+    # in waitpid(): a couple more at most.
+    assert turns <= wakes.count((parent, child)) <= turns + 2
+    assert turns <= wakes.count((child, parent)) <= turns + 2
+    assert set(wakes) <= {(parent, child), (child, parent)}

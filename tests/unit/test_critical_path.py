@@ -12,7 +12,8 @@ from agent.attribution.critical_path import clip, critical_delay
 from agent.attribution.request_sched import EventSched, capped_delay
 from agent.attribution.request_span import RequestSpan
 from agent.attribution.requests import phase_windows, request_document
-from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, EV_RUNQ, SchedEvent
+from agent.identity.threads import ThreadNames
+from agent.probe.snapshot import EV_LIMIT, EV_PREEMPTED, EV_RUNQ, EV_WAKE, SchedEvent
 from agent.store.events import EventLog
 
 MS = 1_000_000
@@ -124,7 +125,7 @@ class Fallback:
     def covered_until(self) -> float:
         return 0.0
 
-    def between(self, service, start, end):
+    def between(self, service, start, end, front=None):
         raise AssertionError("exact figures expected")
 
 
@@ -145,13 +146,21 @@ def engine_scene() -> tuple[EventSched, float]:
              SchedEvent(10, EV_RUNQ, base + 0 * MS, base + 45 * MS, 11, 102),          # the helper: not counted,
              SchedEvent(10, EV_RUNQ, base + 50 * MS, base + 95 * MS, 11, 102),         # but it says who held the CPU
              SchedEvent(10, EV_PREEMPTED, base + 95 * MS, base + 120 * MS, 11, 100)])  # straddles the end
-    service_of = {10: "vllm", 11: "batch"}.__getitem__
-    sched = EventSched(log, lambda s: {10}, service_of, Fallback(), thread_names=names.get)
+    return watching(log, names, {10: "vllm", 11: "batch"}), wall(base)
+
+
+def watching(log: EventLog, names: dict, services: dict[int, str], parents: dict | None = None) -> EventSched:
+    """An EventSched over `log` that has watched service "vllm" (cgroup 10) from the start."""
+    sched = EventSched(log, lambda s: {10}, services.__getitem__, Fallback(), thread_names=names.get,
+                       parent_of=(parents or {}).get)
     sched.pin({"vllm"})
     sched.watched_cgroups()
     sched._watching["vllm"] = 0.0
-    offset = time.time_ns() - time.monotonic_ns()
-    return sched, (base + offset) / 1e9
+    return sched
+
+
+def wall(mono_ns: int) -> float:
+    return (mono_ns + time.time_ns() - time.monotonic_ns()) / 1e9
 
 
 def test_event_sched_counts_the_threads_named_like_their_process():
@@ -345,3 +354,72 @@ def test_clipping_a_merged_record_keeps_its_share_in_proportion():
     from agent.attribution.critical_path import clip
     assert clip([(0, 100, "a", 40), (100, 200, "b")], 50, 150) == [(50, 100, "a", 20), (100, 150, "b")]
     assert clip([(0, 100, "a", 40)], 0, 100) == [(0, 100, "a", 40)] and clip([(0, 100, "a", 40)], 100, 200) == []
+
+
+SINGLE_FRONT_END = {200: 1, 300: 200, 310: 300, 400: 200}
+# vLLM with several API servers: the first process (100) starts them (200,
+# 201), the engine cores and the coordinator (500) side by side.
+SEVERAL_FRONT_ENDS = {100: 1, 200: 100, 201: 100, 300: 100, 310: 300, 400: 100, 500: 100}
+
+
+def data_parallel_scene(parents: dict[int, int] = SINGLE_FRONT_END) -> tuple[EventSched, float]:
+    """vLLM with two engine cores over a 100 ms request starting at the
+    returned wall time: an API server (pid 200, the span's sender) that started
+    engine cores 300 and 400; 300 started its worker 310. Engine 400 sits on a
+    neighbour's CPU (cgroup 11) and waits 60 ms; engine 300 and its worker wait
+    10 ms each. The API server hands the request to 300 (a wake-up of 300's
+    thread) and 300's outputs come back (a wake-up of the API server's)."""
+    names = {200: (200, "vllm", "vllm"), 300: (300, "VLLM::EngineCor", "VLLM::EngineCor"),
+             310: (310, "VLLM::Worker", "VLLM::Worker"), 400: (400, "VLLM::EngineCor", "VLLM::EngineCor")}
+    log = EventLog(retention_ns=10**15)
+    base = time.monotonic_ns() - 200 * MS
+    log.add([SchedEvent(10, EV_PREEMPTED, base + 10 * MS, base + 70 * MS, 11, 400),
+             SchedEvent(10, EV_PREEMPTED, base + 80 * MS, base + 90 * MS, 12, 300),
+             SchedEvent(10, EV_PREEMPTED, base + 90 * MS, base + 100 * MS, 12, 310),
+             SchedEvent(10, EV_WAKE, base + 1 * MS, base + 1 * MS, 200, 300),    # the request handed to 300
+             SchedEvent(10, EV_WAKE, base + 99 * MS, base + 99 * MS, 300, 200),  # its outputs back
+             SchedEvent(10, EV_WAKE, base + 150 * MS, base + 150 * MS, 200, 400)])  # after the request
+    return watching(log, names, {10: "vllm", 11: "batch", 12: "other"}, parents), wall(base)
+
+
+def test_a_request_counts_the_engine_core_that_served_it_and_its_workers_only():
+    sched, start = data_parallel_scene()
+    got = sched.between("vllm", start, start + 0.100, front=200)
+    assert got.delay_seconds == pytest.approx(0.020, abs=2e-6)
+    assert dict(got.delay_by) == {"other": pytest.approx(0.020, abs=2e-6)}
+    assert got.delay_threads == 2
+    # The other engine core's waits stay in the thread-seconds and by thread.
+    assert got.runq_wait_seconds == pytest.approx(0.080, abs=2e-6)
+    phases = sched.phase_delays("vllm", [("decode", start, start + 0.100)], front=200)
+    assert phases[0].delay_seconds == pytest.approx(0.020, abs=2e-6)
+
+
+def test_with_several_api_servers_the_other_engine_cores_do_not_count():
+    sched, start = data_parallel_scene(SEVERAL_FRONT_ENDS)
+    got = sched.between("vllm", start, start + 0.100, front=200)
+    assert got.delay_seconds == pytest.approx(0.020, abs=2e-6)
+
+
+def test_without_a_front_end_or_a_wake_up_across_processes_every_process_counts():
+    sched, start = data_parallel_scene()
+    assert sched.between("vllm", start, start + 0.100).delay_seconds == pytest.approx(0.080, abs=2e-6)
+    # A front end that exchanged no wake-up in the window: nothing narrows.
+    assert sched.between("vllm", start, start + 0.100, front=999).delay_seconds == pytest.approx(0.080, abs=2e-6)
+
+
+def test_a_request_that_ran_while_the_stream_dropped_events_counts_every_process():
+    sched, start = data_parallel_scene()
+    sched.ingest([], drained_at_wall=start - 1.0, dropped_total=0)
+    sched.ingest([], drained_at_wall=start + 1.0, dropped_total=5)
+    got = sched.between("vllm", start, start + 0.100, front=200)
+    assert got.dropped_events == 5
+    assert got.delay_seconds == pytest.approx(0.080, abs=2e-6)
+
+
+def test_thread_names_know_which_process_started_which(tmp_path):
+    for pid, ppid in ((300, 200), (200, 1)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(f"Name:\tx\nTgid:\t{pid}\nPPid:\t{ppid}\n")
+    names = ThreadNames(tmp_path)
+    assert names.parent(300) == 200 and names.parent(200) == 1
+    assert names.parent(12345) is None
