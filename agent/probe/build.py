@@ -327,13 +327,21 @@ def _from_cache(cache: ProgramCache, key: str) -> tuple[dict, list[int]]:
     return _reply(loaded.maps, types, loaded.programs, loaded.attachments, [])
 
 
+def _key(request: dict) -> str:
+    return cache_key(Path(request["src"]).parent, request["cflags"], request["mode"], request["trace_ids"],
+                     agent.__version__, kernel_identity())
+
+
 def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
     """The reply to one request: from the cache if it can, else compiled (and recorded)."""
     key, state, note = None, "off", ""
-    if cache is not None:
+    if cache is not None and not cache.has_records():
+        # Nothing to read: the key is hashed after the compile, whose peak
+        # then holds no hashing library (agent/probe/cache.py).
+        state, note = "miss", f"no compiled programs in {cache.dir}"
+    elif cache is not None:
         try:
-            key = cache_key(Path(request["src"]).parent, request["cflags"], request["mode"],
-                            request["trace_ids"], agent.__version__, kernel_identity())
+            key = _key(request)
             reply, fds = _from_cache(cache, key)
             reply.update(cache="hit", cache_note=str(cache.path(key)))
             return reply, fds
@@ -347,11 +355,11 @@ def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
             # EPERM: the compile meets the same refusal and names it; the record stays.
             state, note = ("unprivileged" if e.errno == errno.EPERM else "refused"), f"the cache cannot be used: {e}"
     reply, fds, record = _compile_and_attach(request)
-    if key is None or "error" in reply:
+    if cache is None or "error" in reply:
         reply.update(cache=state, cache_note=note)
         return reply, fds
     try:
-        note += f"; compiled and stored in {cache.store(record(key))}"
+        note += f"; compiled and stored in {cache.store(record(key or _key(request)))}"
     except (CacheProblem, OSError) as e:
         note += f"; compiled, not stored: {e}"
     reply.update(cache=state, cache_note=note)

@@ -30,7 +30,6 @@ imports bcc or touches the kernel but to read who it is.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import stat
@@ -100,12 +99,34 @@ class Programs:
     programs: tuple[ProgramDef, ...]
 
 
+def _sha256():
+    """hashlib, imported when something is hashed: it maps OpenSSL's libcrypto
+    (~4 MiB resident), which a first start's build process then takes on
+    only after its compile's peak."""
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha256()
+
+
+def _hex(data: bytes) -> str:
+    h = _sha256()
+    h.update(data)
+    return h.hexdigest()
+
+
 def kernel_identity(btf: Path = VMLINUX) -> dict[str, str]:
     """Who the running kernel is: its release and build, and a hash of its
     BTF, which changes with any change to the types the offsets come from."""
     u = os.uname()
+    h = _sha256()
+    # In pieces: a 5 MiB read would raise malloc's mmap threshold and stay in
+    # the heap of the process that compiles next.
+    chunk = bytearray(1 << 16)
     try:
-        btf_hash = hashlib.sha256(btf.read_bytes()).hexdigest()
+        with open(btf, "rb", buffering=0) as f:
+            while n := f.readinto(chunk):
+                h.update(memoryview(chunk)[:n])
+        btf_hash = h.hexdigest()
     except OSError:
         btf_hash = "none"
     return {"release": u.release, "build": u.version, "machine": u.machine, "btf": btf_hash}
@@ -116,11 +137,10 @@ def cache_key(src_dir: Path, cflags: list[str], mode: str, trace_ids: dict[str, 
     """The hash of every input of a compile: each file of the BPF source
     directory, the compiler's flags, the attach mode and the BTF ids of the
     tracepoints, the agent's version, the kernel."""
-    sources = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-               for p in sorted(src_dir.iterdir()) if p.is_file()}
+    sources = {p.name: _hex(p.read_bytes()) for p in sorted(src_dir.iterdir()) if p.is_file()}
     doc = {"format": FORMAT, "sources": sources, "cflags": list(cflags), "mode": mode,
            "trace_ids": sorted(trace_ids.items()), "version": version, "kernel": kernel}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return _hex(json.dumps(doc, sort_keys=True).encode())
 
 
 def relocate(insns: bytes, map_fds: dict[int, int]) -> tuple[bytes, tuple[tuple[int, int], ...]]:
@@ -163,7 +183,7 @@ def encode(programs: Programs) -> bytes:
     for p in doc["programs"]:
         p["insns"] = base64.b64encode(p["insns"]).decode()
     body = json.dumps(doc, separators=(",", ":")).encode()
-    return f"{MAGIC} {FORMAT} {hashlib.sha256(body).hexdigest()}\n".encode() + body
+    return f"{MAGIC} {FORMAT} {_hex(body)}\n".encode() + body
 
 
 def decode(data: bytes, key: str) -> Programs:
@@ -174,7 +194,7 @@ def decode(data: bytes, key: str) -> Programs:
         raise CacheProblem("not a program cache record")
     if parts[1] != str(FORMAT):
         raise CacheProblem(f"a record of format {parts[1]}, this agent reads {FORMAT}")
-    if hashlib.sha256(body).hexdigest() != parts[2]:
+    if _hex(body) != parts[2]:
         raise CacheProblem("the record is damaged (its hash does not match)")
     try:
         doc = json.loads(body)
