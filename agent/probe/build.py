@@ -354,13 +354,16 @@ def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
                 return {"error": "ENOMEM", "kind": "enomem"}, []
             # EPERM: the compile meets the same refusal and names it; the record stays.
             state, note = ("unprivileged" if e.errno == errno.EPERM else "refused"), f"the cache cannot be used: {e}"
+        except Exception as e:  # noqa: BLE001  (whatever a record does wrong, the compile is the answer)
+            cache.discard(key or "")
+            state, note = "refused", f"the cached programs could not be used ({type(e).__name__}: {e})"
     reply, fds, record = _compile_and_attach(request)
     if cache is None or "error" in reply:
         reply.update(cache=state, cache_note=note)
         return reply, fds
     try:
         note += f"; compiled and stored in {cache.store(record(key or _key(request)))}"
-    except (CacheProblem, OSError) as e:
+    except Exception as e:  # noqa: BLE001  (the programs are attached: a record that fails only costs the next start)
         note += f"; compiled, not stored: {e}"
     reply.update(cache=state, cache_note=note)
     return reply, fds

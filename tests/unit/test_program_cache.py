@@ -271,3 +271,24 @@ def test_a_refusal_for_want_of_privileges_keeps_the_record(tmp_path, compiles, m
     reply, _ = build._serve(_request(tmp_path), cache)
     assert reply["cache"] == "unprivileged" and "Operation not permitted" in reply["cache_note"]
     assert len(compiles) == 2 and path.exists()
+
+
+def test_whatever_goes_wrong_with_a_record_the_start_compiles(tmp_path, compiles, monkeypatch) -> None:
+    cache = ProgramCache(tmp_path / "cache")
+    build._serve(_request(tmp_path), cache)
+
+    def broken(programs, tracefs):
+        raise ValueError("invalid literal for int() with base 10: ''")
+
+    monkeypatch.setattr("agent.probe.bpfload.load", broken)
+    reply, _ = build._serve(_request(tmp_path), cache)
+    assert reply["cache"] == "refused" and "ValueError" in reply["cache_note"] and len(compiles) == 2
+
+    def fake(request):
+        compiles.append(request)
+        return {"maps": {}, "types": {}, "programs": {}, "attachments": [], "peak_bytes": 1,
+                "compiler_files": []}, [], lambda key: {}["no such map"]
+
+    monkeypatch.setattr(build, "_compile_and_attach", fake)
+    reply, _ = build._serve({**_request(tmp_path), "mode": "classic"}, cache)
+    assert "error" not in reply and "compiled, not stored" in reply["cache_note"]
