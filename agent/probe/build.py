@@ -355,7 +355,8 @@ def _serve(request: dict, cache: ProgramCache | None) -> tuple[dict, list[int]]:
             # EPERM: the compile meets the same refusal and names it; the record stays.
             state, note = ("unprivileged" if e.errno == errno.EPERM else "refused"), f"the cache cannot be used: {e}"
         except Exception as e:  # noqa: BLE001  (whatever a record does wrong, the compile is the answer)
-            cache.discard(key or "")
+            if key:
+                cache.discard(key)
             state, note = "refused", f"the cached programs could not be used ({type(e).__name__}: {e})"
     reply, fds, record = _compile_and_attach(request)
     if cache is None or "error" in reply:
