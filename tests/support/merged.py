@@ -126,11 +126,15 @@ def judge(doc: dict, where: str, emulated: bool) -> None:
     assert doc["overfull"] == 0 and doc["longest_record_ns"] <= MERGE_SPAN_NS, f"{where}: {doc}"
     # The spinners' waits begin with sched_yield, which the programs read
     # off the task's saved registers on raw and BTF-typed tracepoints; a
-    # few begin with a tick's preemption between two yields.
+    # few begin with a tick's preemption between two yields: some 400-500 in
+    # a guest, whatever its speed, which is 2-5% of its waits when the
+    # emulator is quick and 13% when three guests crawl on two CPUs (5.10:
+    # 3,344 of 3,847 told).
     if doc["mode"] == "classic":
         assert doc["yield_waits"] == 0, f"{where}: {doc}"
     else:
-        assert doc["yield_waits"] >= 0.9 * doc["record_waits"], f"{where}: the yields were not told: {doc}"
+        told = 0.8 if emulated else 0.9
+        assert doc["yield_waits"] >= told * doc["record_waits"], f"{where}: the yields were not told: {doc}"
     slack = (0.05 if emulated else 0.001) * m["waits"] + 2 + doc["reference_gaps"]
     assert abs(m["waits"] - m["reference_waits"]) <= slack, f"{where}: {doc}"
     assert abs(m["wait_ns"] - m["reference_ns"]) <= (0.10 if emulated else 0.02) * m["reference_ns"], f"{where}: {doc}"
