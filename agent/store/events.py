@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent.probe.snapshot import (EV_IOWAIT, EV_LIMIT, EV_MIGRATE, EV_PREEMPTED, EV_RUNQ, EV_WAKE, EV_YIELD,
-                                  RUNQ_KINDS,
-                                  SchedEvent, event_rows)
+                                  RUNQ_KINDS, SchedEvent, event_rows)
 
 
 @dataclass
