@@ -227,8 +227,9 @@ def pod_command(tmp_path: Path, headers: Path, fallback: str, caps: list[str], p
              "env", f"SLATRACE_FALLBACK_HEADERS={fallback}", f"SLATRACE_BIN={Path(sys.executable).parent / 'slatrace'}",
              "PYTHONDONTWRITEBYTECODE=1"]
             + with_caps(caps)
+            # The program cache off: each start compiles, with the headers the pod sees.
             + [str(ENTRYPOINT), "run", "--listen", f"127.0.0.1:{port}", "--otlp-grpc-listen", "off",
-               "--otlp-http-listen", "off", "--interval", "0.5"])
+               "--otlp-http-listen", "off", "--interval", "0.5", "--bpf-cache", "off"])
 
 
 def test_agent_runs_in_the_pods_view_of_the_node(tmp_path: Path, headers_tree: Path, caps: list[str]):
