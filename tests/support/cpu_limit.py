@@ -88,6 +88,10 @@ BOUNDS_REL_EMULATED = 0.01
 # during a throttle keeps the CPU after the refill until its slice ends (a
 # tick, 4 ms here, against an 80 ms throttle; host 0.96-1.0 of the bound),
 UPPER_REL = 0.10
+# A guest's own processes (the recorder, the agent's reader) also run there
+# between throttles, inside waits a sibling thread began: 0.868 of the bound
+# on 5.10 once, with the limit's part 0.9995 of cpu.stat.
+UPPER_REL_EMULATED = 0.20
 # and beside the neighbour, its share of the rest of the waits that is not
 # blamed on work outside the scene (host 0.994-1.0; not judged in the
 # guests, whose older schedulers let the service catch up at once).
@@ -514,7 +518,8 @@ def judge(doc: dict, where: str, emulated: bool, neighbour_share: float | None =
     if not doc["neighbour"]:
         # Others' work runs there mostly while the service is throttled: the
         # upper bound stays close.
-        assert doc["limited_runq_ns"] >= (1 - UPPER_REL) * upper, f"{where}: {summary(doc, emulated)}"
+        rel = UPPER_REL_EMULATED if emulated else UPPER_REL
+        assert doc["limited_runq_ns"] >= (1 - rel) * upper, f"{where}: {summary(doc, emulated)}"
         return
     # Beside the neighbour the CPU runs it while the limit holds the service,
     # and the rest of the waits the neighbour preempted (or held after a
