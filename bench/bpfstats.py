@@ -25,6 +25,9 @@ BPF_STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
 
 SWITCH = ("sched_switch",)
 WAKEUP = ("sched_wakeup", "sched_wakeup_new")
+# Runs beside sched_wakeup for each wake-up (raw and BTF-typed programs):
+# its time is the wake-up's, its runs are not more wake-ups.
+WAKING = ("sched_waking",)
 
 
 @dataclass(frozen=True)
@@ -134,11 +137,12 @@ def _per_run(c: Counter) -> float | None:
 
 
 def cost_summary(counters: dict[str, Counter]) -> dict[str, float | int | None]:
-    """ns per invocation of the switch and wakeup programs and per scheduler
-    event (their time over their runs), plus the time of every program of the
+    """ns per run of the switch program, per wake-up (the wakeup programs'
+    time with sched_waking's, over the wake-ups) and per scheduler event, plus the time of every program of the
     tool per sched_switch, which also charges a tool for its other programs."""
     switch = _sum(counters, SWITCH)
     wakeup = _sum(counters, WAKEUP)
+    wakeup = Counter(wakeup.run_cnt, wakeup.run_time_ns + _sum(counters, WAKING).run_time_ns)
     events = switch + wakeup
     everything = _sum(counters, tuple(counters))
     return {

@@ -37,7 +37,7 @@
  *   TASK_STACK_OFF, STACK_SYSCALL_NR_OFF, NR_SCHED_YIELD
  *                 (raw only, x86_64) where a task's system call number is
  *                 saved (agent/probe/btf.py SyscallSite): yielding()
- *   TASK_TGID_OFF (raw only) where a task's process id is: wake_across()
+ *   TASK_TGID_OFF (raw only) where a task's process id is: on_waking()
  *   SKIP_WAKEUPS  tests only: ignore about one wake-up in that many, as if
  *                 the kernel had skipped the program
  */
@@ -721,32 +721,35 @@ static __always_inline int on_switch(task_key_t prev, task_key_t next, u32 out_s
  * it, the engine core's outputs coming back. User space follows a request to
  * the processes that served it by them (agent/attribution/request_sched.py);
  * an engine core that never exchanged one with the request's front end did
- * not serve it. In an interrupt the current task is whoever ran, not the
- * waker: such a record names a process that did not serve, which only widens
- * what user space counts. The woken task's process is read from it, so only
- * on raw and BTF-typed tracepoints. */
-#if defined(RAW_TP) && defined(TASK_TGID_OFF)
-static __always_inline void wake_across(task_key_t task, u64 cgid)
+ * not serve it. Read at sched_waking, which the kernel fires in the waker's
+ * context: sched_wakeup of a task whose CPU is idle fires on that CPU, from
+ * its wake list, in an interrupt under the idle task, where the waker is
+ * gone. A wake-up the kernel makes in an interrupt (a timer's) names
+ * whoever ran, a process that did not serve, which only widens what user
+ * space counts. The woken task's process is read from it, so only on raw
+ * and BTF-typed tracepoints. */
+static __always_inline int on_waking(task_key_t task)
 {
+#ifdef TASK_TGID_OFF
     struct ctl c = read_ctl();
     if (!c.watch_on)
-        return;
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = 0;
     bpf_probe_read_kernel(&tgid, sizeof(tgid), (void *)(task + TASK_TGID_OFF));
-    if (!(u32)id || (u32)(id >> 32) == tgid || !watched_cgroup(c, cgid))
-        return;
+    if (!(u32)id || (u32)(id >> 32) == tgid)
+        return 0;
+    struct task_info *t = task_get(task);
+    if (!t || !watched.lookup(&t->cgid))
+        return 0;
     u64 waker_cgid = bpf_get_current_cgroup_id();
     if (!watched.lookup(&waker_cgid))
-        return;
+        return 0;
     u64 now = bpf_ktime_get_ns();
-    send(cgid, EV_WAKE, now, now, id >> 32, task, 0, 1);
-}
-#else
-static __always_inline void wake_across(task_key_t task, u64 cgid)
-{
-}
+    send(t->cgid, EV_WAKE, now, now, id >> 32, task, 0, 1);
 #endif
+    return 0;
+}
 
 static __always_inline int on_wakeup(task_key_t task)
 {
@@ -762,7 +765,6 @@ static __always_inline int on_wakeup(task_key_t task)
      * enqueue time of a queued task stays the first one. */
     if (st == TS_RUNNING || st == TS_RUNNABLE || st == TS_PREEMPTED)
         return 0;
-    wake_across(task, t->cgid);
     u64 now = bpf_ktime_get_ns();
     if (st == TS_BLOCKED)
         iowait_end(read_ctl(), t, task, now);
@@ -868,6 +870,11 @@ SCHED_PROBE(sched_switch)
     task_key_t prev = (u32)bpf_get_current_pid_tgid() ? bpf_get_current_task() : 0;
 #endif
     return on_switch(prev, ctx->args[2], st);
+}
+
+SCHED_PROBE(sched_waking)
+{
+    return on_waking(ctx->args[0]);
 }
 
 SCHED_PROBE(sched_wakeup)

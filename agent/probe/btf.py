@@ -368,9 +368,12 @@ def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
     return vlen - 1 if kind == KIND_FUNC_PROTO else None
 
 
-# The tracepoints the programs attach to (bpf/sched.bpf.c).
+# The tracepoints the programs attach to (bpf/sched.bpf.c) in every mode,
 TRACEPOINTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task", "sched_process_fork",
                "sched_process_exit")
+# and on raw and BTF-typed tracepoints, which pass the woken task: sched_waking,
+# in the waker's context (on_waking()).
+RAW_TRACEPOINTS = TRACEPOINTS + ("sched_waking",)
 
 
 def _btf_tracing(btf: _Btf) -> dict:
@@ -380,7 +383,7 @@ def _btf_tracing(btf: _Btf) -> dict:
     if btf.name_offset("BPF_MAP_TYPE_TASK_STORAGE") is None:
         return {"btf_tracing_missing": "the kernel has no task-local storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11+)"}
     ids = []
-    for name in TRACEPOINTS:
+    for name in RAW_TRACEPOINTS:
         tid = btf.find(KIND_TYPEDEF, f"btf_trace_{name}")
         if tid is None:
             return {"btf_tracing_missing": f"the kernel's BTF has no btf_trace_{name}"}

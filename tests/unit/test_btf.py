@@ -153,10 +153,10 @@ def btf_tracing_blob(tracepoints: tuple[str, ...], task_storage: bool, id_bytes:
 
 def test_btf_typed_tracepoints_and_the_cgroup_chain_are_found(tmp_path, monkeypatch):
     path = tmp_path / "vmlinux"
-    path.write_bytes(btf_tracing_blob(btf.TRACEPOINTS, task_storage=True))
+    path.write_bytes(btf_tracing_blob(btf.RAW_TRACEPOINTS, task_storage=True))
     layout = btf.task_layout(path)
-    assert [name for name, _ in layout.btf_trace_ids] == list(btf.TRACEPOINTS)
-    assert len({tid for _, tid in layout.btf_trace_ids}) == len(btf.TRACEPOINTS) and not layout.btf_tracing_missing
+    assert [name for name, _ in layout.btf_trace_ids] == list(btf.RAW_TRACEPOINTS)
+    assert len({tid for _, tid in layout.btf_trace_ids}) == len(btf.RAW_TRACEPOINTS) and not layout.btf_tracing_missing
     assert layout.cgroup_chain == btf.CgroupChain(task_cgroups=2376, css_set_dfl_cgrp=112, cgroup_kn=256,
                                                   kernfs_node_id=96)
     monkeypatch.setattr(check, "task_layout", lambda: btf.task_layout(path))
@@ -164,8 +164,8 @@ def test_btf_typed_tracepoints_and_the_cgroup_chain_are_found(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("tracepoints, task_storage, missing", [
-    (btf.TRACEPOINTS, False, "no task-local storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11+)"),
-    (btf.TRACEPOINTS[:-1], True, "BTF has no btf_trace_sched_process_exit"),
+    (btf.RAW_TRACEPOINTS, False, "no task-local storage (BPF_MAP_TYPE_TASK_STORAGE, 5.11+)"),
+    (btf.RAW_TRACEPOINTS[:-1], True, "BTF has no btf_trace_sched_waking"),
 ])
 def test_a_kernel_without_btf_typed_tracepoints_says_why_and_takes_raw_ones(tmp_path, monkeypatch, tracepoints,
                                                                             task_storage, missing):
@@ -183,5 +183,5 @@ def test_a_cgroup_id_that_is_not_one_integer_leaves_the_helper(tmp_path):
     """Before 5.5 kernfs_node.id was a union: the programs then call
     bpf_get_current_cgroup_id() instead of reading it."""
     path = tmp_path / "vmlinux"
-    path.write_bytes(btf_tracing_blob(btf.TRACEPOINTS, task_storage=True, id_bytes=0))
+    path.write_bytes(btf_tracing_blob(btf.RAW_TRACEPOINTS, task_storage=True, id_bytes=0))
     assert btf.task_layout(path).cgroup_chain is None
