@@ -44,7 +44,7 @@ class _Covered:
     def covered_until(self) -> float:
         return float("inf")
 
-    def between(self, service, start, end):  # pragma: no cover - never reached
+    def between(self, service, start, end, front=None, phases=()):  # pragma: no cover - never reached
         raise AssertionError("every request starts after the watch")
 
 

@@ -123,12 +123,11 @@ class RequestSchedSource(Protocol):
         """Wall-clock time up to which figures are complete; ask between() for
         a request only once its end is covered."""
 
-    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None,
+                phases: Sequence[tuple[str, float, float]] = ()) -> RequestSched:
         """Figures of `service` over [start, end] (Unix seconds); `front`: the
-        process that sent the request's span, when known."""
-
-    # Sources that can also cut a request into its phases have
-    # phase_delays(service, [(phase, start, end), ...], front) -> tuple[PhaseDelay, ...].
+        process that sent the request's span, when known; `phases`: windows
+        (phase, start, end) inside it whose delay to tell apart."""
 
 
 class IntervalSched:
@@ -148,7 +147,8 @@ class IntervalSched:
         latest = self._store.latest()
         return latest.end if latest else 0.0
 
-    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None,
+                phases: Sequence[tuple[str, float, float]] = ()) -> RequestSched:
         runq = iowait = limit = 0.0
         preemptions = migrations = 0.0
         by: dict[str, float] = {}
@@ -171,12 +171,7 @@ class IntervalSched:
         delay, delay_by = capped_delay(runq, by, behind, end - start, limit)
         return RequestSched(runq, round(preemptions), _ranked(by), iowait, round(migrations), self._interval,
                             _ranked(behind), delay_seconds=delay, delay_by=delay_by, service=service,
-                            limit_seconds=limit)
-
-
-    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]],
-                     front: int | None = None) -> tuple[PhaseDelay, ...]:
-        return phases_between(self, service, phases)
+                            limit_seconds=limit, phases=phases_between(self, service, phases))
 
 
 def phases_between(source: RequestSchedSource, service: str,
@@ -340,11 +335,12 @@ class EventSched:
         fallback = self._fallback.covered_until()
         return min(events, fallback) if watching else fallback
 
-    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None,
+                phases: Sequence[tuple[str, float, float]] = ()) -> RequestSched:
         with self._lock:
             since = self._watching.get(service, float("inf"))
         if start < since:
-            return self._fallback.between(service, start, end)
+            return self._fallback.between(service, start, end, phases=phases)
         offset = self._offset_ns
         cgids = self._cgroups_of(service)
         lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
@@ -360,31 +356,23 @@ class EventSched:
             behind[name] = behind.get(name, 0.0) + wait_ns / 1e9
         waits = self._log.thread_waits(cgids, lo, hi)
         critical = self._critical(waits, self._served_by(cgids, lo, hi, front, dropped))
-        delay = critical_delay(self._blamed(waits), critical, own=service)
+        blamed = self._blamed(waits)
+        delay = critical_delay(blamed, critical, own=service)
         return RequestSched(f.runq_wait_ns / 1e9, f.preemptions, _ranked(by), f.iowait_ns / 1e9, f.migrations,
                             resolution_seconds=1e-6, waited_behind=_ranked(behind),
                             by_thread=self._by_thread({tid: sum(waited for _, _, _, _, waited in w)
                                                        for tid, w in waits.items()}),
                             delay_seconds=delay.seconds, delay_by=delay.by, delay_threads=len(critical),
                             service=service, limit_seconds=f.limit_ns / 1e9,
-                            dropped_events=dropped)
+                            dropped_events=dropped,
+                            phases=self._phases(blamed, critical, service, phases, offset))
 
-    def phase_delays(self, service: str, phases: Sequence[tuple[str, float, float]],
-                     front: int | None = None) -> tuple[PhaseDelay, ...]:
-        """The delay inside each phase window (Unix seconds) of one request."""
-        if not phases:
-            return ()
-        with self._lock:
-            since = self._watching.get(service, float("inf"))
-        start, end = min(p[1] for p in phases), max(p[2] for p in phases)
-        if start < since:
-            return phases_between(self._fallback, service, phases)
-        offset = self._offset_ns
-        cgids = self._cgroups_of(service)
-        lo, hi = int(start * 1e9) - offset, int(end * 1e9) - offset
-        raw = self._log.thread_waits(cgids, lo, hi)
-        critical = self._critical(raw, self._served_by(cgids, lo, hi, front, self.dropped_between(start, end)))
-        waits = self._blamed(raw)
+    @staticmethod
+    def _phases(waits: dict[int, list[Wait]], critical: list[int], service: str,
+                phases: Sequence[tuple[str, float, float]], offset: int) -> tuple[PhaseDelay, ...]:
+        """The delay inside each phase window (Unix seconds, inside the
+        request's: phase_windows()) of one request, from its waits and
+        critical threads."""
         out = []
         for phase, a, b in phases:
             lo, hi = int(a * 1e9) - offset, int(b * 1e9) - offset

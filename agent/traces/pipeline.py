@@ -232,11 +232,7 @@ class RequestPipeline:
         if service is not None:
             try:
                 front = item.origin.pid   # the process that sent the span: the request's front end
-                sched = self._sched.between(service, span.start, span.end, front)
-                windows = phase_windows(span)
-                cut = getattr(self._sched, "phase_delays", None)  # sources that can cut a request in phases
-                if windows and cut is not None:
-                    sched = replace(sched, phases=cut(service, windows, front))
+                sched = self._sched.between(service, span.start, span.end, front, phase_windows(span))
             except Exception:  # a source bug must cost one request's figures, not the pipeline
                 self.counters.add_attribution_error()
                 log.exception("scheduling figures for request %s failed", span.request_id)

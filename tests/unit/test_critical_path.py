@@ -125,7 +125,7 @@ class Fallback:
     def covered_until(self) -> float:
         return 0.0
 
-    def between(self, service, start, end, front=None):
+    def between(self, service, start, end, front=None, phases=()):
         raise AssertionError("exact figures expected")
 
 
@@ -204,8 +204,9 @@ def test_phase_windows_follow_each_other_from_the_start():
 
 def test_the_delay_of_each_phase():
     sched, start = engine_scene()
-    phases = sched.phase_delays("vllm", [("queue", start, start + 0.010), ("prefill", start + 0.010, start + 0.040),
-                                         ("decode", start + 0.040, start + 0.100)])
+    phases = sched.between("vllm", start, start + 0.100, phases=[
+        ("queue", start, start + 0.010), ("prefill", start + 0.010, start + 0.040),
+        ("decode", start + 0.040, start + 0.100)]).phases
     assert [p.phase for p in phases] == ["queue", "prefill", "decode"]
     # Queued 0-10 ms: nothing of the work waited. Phase edges are float Unix
     # seconds (a quarter of a microsecond apart at today's dates), so a sliver
@@ -390,7 +391,7 @@ def test_a_request_counts_the_engine_core_that_served_it_and_its_workers_only():
     assert got.delay_threads == 2
     # The other engine core's waits stay in the thread-seconds and by thread.
     assert got.runq_wait_seconds == pytest.approx(0.080, abs=2e-6)
-    phases = sched.phase_delays("vllm", [("decode", start, start + 0.100)], front=200)
+    phases = sched.between("vllm", start, start + 0.100, front=200, phases=[("decode", start, start + 0.100)]).phases
     assert phases[0].delay_seconds == pytest.approx(0.020, abs=2e-6)
 
 

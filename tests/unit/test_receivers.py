@@ -61,7 +61,7 @@ class FakeSched:
     def covered_until(self) -> float:
         return self.covered
 
-    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None, phases=()) -> RequestSched:
         self.calls.append((service, start, end))
         d = end - start
         # 0.1 d thread-seconds, of which 0.06 d delayed the request (0.05 d by batch)
@@ -438,7 +438,7 @@ def test_a_failing_scheduling_source_costs_one_request_and_is_counted():
     (without scheduling figures), and the failure is counted for /metrics."""
 
     class Broken(FakeSched):
-        def between(self, service, start, end, front=None):
+        def between(self, service, start, end, front=None, phases=()):
             raise RuntimeError("the event log is gone")
 
     counters = TraceCounters()

@@ -49,7 +49,7 @@ class Sched:
     def covered_until(self) -> float:
         return float("inf")
 
-    def between(self, service: str, start: float, end: float, front: int | None = None) -> RequestSched:
+    def between(self, service: str, start: float, end: float, front: int | None = None, phases=()) -> RequestSched:
         return RequestSched(0.1 * (end - start), 1, (("batch", 0.1 * (end - start)),), 0.0, 0, 1e-6,
                             delay_seconds=0.1 * (end - start), delay_by=(("batch", 0.1 * (end - start)),))
 

@@ -208,7 +208,7 @@ class Sched:
     def covered_until(self) -> float:
         return float("inf")
 
-    def between(self, service, start, end, front=None):
+    def between(self, service, start, end, front=None, phases=()):
         return None
 
 
