@@ -84,7 +84,7 @@ def attachment(release: str | None = None) -> Check:
              if layout.syscall_site is not None else
              f"a wait that began with the thread yielding reads as a preemption ({layout.syscall_site_missing})")
     served = ("a request is followed to the processes that served it (an engine core of several) by the "
-              "wake-ups across a service's processes, from task_struct.tgid"
+              "wake-ups across a service's processes (task_struct.tgid; the waker named at sched_waking)"
               if layout.tgid_offset is not None else
               "a request's delay counts every process of its service (task_struct has no tgid in the kernel's BTF)")
     details = (f"{where}; task_struct.pid at byte {layout.pid_offset} and .flags at {layout.flags_offset}, from "

@@ -34,14 +34,31 @@ def test_watched_cgroup_events_equal_its_histogram(unlimited_probe):
     runq = [e for e in events if e.cgid == victim.id and e.kind in (EV_RUNQ, EV_PREEMPTED)]
     iow = [e for e in events if e.cgid == victim.id and e.kind == EV_IOWAIT]
     hist = snap.hists[(victim.id, HIST_RUNQ)]
-    assert snap.errors["events"] == 0 and snap.errors["events_rate_limited"] == 0
+    # A record the ring buffer could not take is counted, never silent (the
+    # kernel refused one reservation in a 4 MiB buffer once, on a machine
+    # loaded by emulated guests): the stream is then short by its waits.
+    lost = snap.errors["events"]
+    assert lost <= 1 and snap.errors["events_rate_limited"] == 0, snap.errors
     assert noise_events == []  # only the watched cgroup streams
-    assert sum(e.waits for e in runq) == sum(b.count for b in hist.values()) > 1000
-    assert sum(e.waited_ns for e in runq) == sum(b.sum_ns for b in hist.values())
     io_hist = snap.hists[(victim.id, HIST_IOWAIT)]
-    assert len(iow) == sum(b.count for b in io_hist.values()) > 0
-    assert sum(e.end_ns - e.start_ns for e in iow) == sum(b.sum_ns for b in io_hist.values())
-    assert sum(1 for e in events if e.kind == EV_MIGRATE) == snap.cgroups[victim.id].migrations
+    streamed = (sum(e.waits for e in runq), sum(e.waited_ns for e in runq), len(iow),
+                sum(e.end_ns - e.start_ns for e in iow), sum(1 for e in events if e.kind == EV_MIGRATE))
+    counted = (sum(b.count for b in hist.values()), sum(b.sum_ns for b in hist.values()),
+               sum(b.count for b in io_hist.values()), sum(b.sum_ns for b in io_hist.values()),
+               snap.cgroups[victim.id].migrations)
+    assert counted[0] > 1000 and counted[2] > 0
+    if not lost:
+        assert streamed == counted
+    else:
+        # One record: a run-queue wait, or short ones merged (within 1 ms of
+        # the first, each under 0.1 ms), an I/O wait or a migration;
+        # everything else one for one.
+        short = [c - s for s, c in zip(streamed, counted)]
+        assert all(d >= 0 for d in short), (streamed, counted)
+        runq_short = (short[0] == 1 or 0 < short[1] <= 1_100_000) and short[2:] == [0, 0, 0]
+        io_short = short[:2] == [0, 0] and short[2] == 1 and short[4] == 0
+        migrate_short = short[:4] == [0, 0, 0, 0] and short[4] == 1
+        assert runq_short or io_short or migrate_short, (streamed, counted)
     # preempted waits carry their preemptor: here almost all are the hogs
     pre = [e for e in runq if e.kind == EV_PREEMPTED]
     assert pre and all(e.end_ns >= e.start_ns for e in pre)
