@@ -14,16 +14,16 @@ import argparse
 import signal
 import sys
 
-from agent.probe.btf import RAW_TRACEPOINTS, TRACEPOINTS
+from agent.probe.btf import TRACEPOINTS
 
 
 def source(mode: str = "raw") -> str:
     """The empty programs: BTF-typed tracepoints (load() attaches them), raw
     or classic ones (BCC attaches either kind when it loads them)."""
     if mode == "btf":
-        return "".join(f"int tp_btf__{tp}(void *ctx) {{ return 0; }}\n" for tp in RAW_TRACEPOINTS)
+        return "".join(f"int tp_btf__{tp}(void *ctx) {{ return 0; }}\n" for tp in TRACEPOINTS)
     if mode == "raw":
-        return "".join(f"RAW_TRACEPOINT_PROBE({tp}) {{ return 0; }}\n" for tp in RAW_TRACEPOINTS)
+        return "".join(f"RAW_TRACEPOINT_PROBE({tp}) {{ return 0; }}\n" for tp in TRACEPOINTS)
     if mode == "classic":
         return "".join(f"TRACEPOINT_PROBE(sched, {tp}) {{ return 0; }}\n" for tp in TRACEPOINTS)
     raise ValueError(f"the attach mode must be btf, raw or classic, got {mode!r}")

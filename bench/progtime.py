@@ -8,8 +8,7 @@ program's time per event, plus the ~30 ns per run the statistics' own two
 clock reads cost, the same for every arm (the floor's empty programs show
 it). Each arm is attached alone during a pinned `perf bench sched pipe` of
 --loops round trips, the arms in turn for --rounds rounds; the medians of
-sched_switch's, sched_wakeup's and (raw and BTF-typed tracepoints)
-sched_waking's time per run are printed.
+sched_switch's and sched_wakeup's time per run are printed.
 
     python -m bench.progtime [--mode btf|raw|classic] [--variant BPF_DIR ...]
 
@@ -29,7 +28,7 @@ from pathlib import Path
 from bench.toggle import Toggled, load_floor, load_probe
 
 STATS = Path("/proc/sys/kernel/bpf_stats_enabled")
-PROGRAMS = ("sched_switch", "sched_wakeup", "sched_waking")
+PROGRAMS = ("sched_switch", "sched_wakeup")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,15 +63,14 @@ def measure(arms: dict[str, Toggled], rounds: int, loops: int, cpu: int) -> dict
     for _ in range(rounds):
         for name, arm in arms.items():
             fds = arm.prog_fds()
-            present = [p for p in PROGRAMS if p in fds]   # classic tracepoints (and older probes): no sched_waking
             arm.set(True)
             try:
-                before = {p: counters(fds[p]) for p in present}
+                before = {p: counters(fds[p]) for p in PROGRAMS}
                 subprocess.run(cmd, capture_output=True, check=True, timeout=600)
-                after = {p: counters(fds[p]) for p in present}
+                after = {p: counters(fds[p]) for p in PROGRAMS}
             finally:
                 arm.set(False)
-            for p in present:
+            for p in PROGRAMS:
                 runs = after[p][1] - before[p][1]
                 out[name][p].append((after[p][0] - before[p][0]) / runs if runs else float("nan"))
     return out
@@ -105,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{mode} tracepoints, ns per run (median of {args.rounds} rounds of {args.loops} pipe round trips "
           f"on CPU {args.cpu}; the statistics' own clock reads included):")
     for name, per in got.items():
-        print(f"  {name:24s} " + "  ".join(f"{p} {statistics.median(v):6.1f}" if v else f"{p}      -"
-                                           for p, v in per.items()))
+        print(f"  {name:24s} " + "  ".join(f"{p} {statistics.median(v):6.1f}" for p, v in per.items()))
     return 0
 
 

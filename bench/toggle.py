@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from agent.probe.btf import TRACEPOINTS, WATCH_TRACEPOINTS
 from bench import floor, resample, workloads
 from bench.tools import RUNQLAT, die_with_parent
 from tests.support.scale import compile_worker
@@ -83,6 +84,11 @@ class Toggled:
     def __init__(self, bpf, tracing=None) -> None:
         self.bpf = bpf
         self.tracing = tracing
+        # What an agent that watches nothing attaches: not the event stream's
+        # own programs (BCC attached every raw one as it loaded them).
+        for tp in WATCH_TRACEPOINTS:
+            if tp.encode() in bpf.raw_tracepoint_fds:
+                bpf.detach_raw_tracepoint(tp=tp.encode())
         self.raw = list(bpf.raw_tracepoint_fds)
         self.classic = list(bpf.tracepoint_fds)
         if not self.raw and not self.classic and tracing is None:
@@ -102,7 +108,7 @@ class Toggled:
     def set(self, on: bool) -> None:
         if self.tracing is not None:
             if on:
-                self.tracing.attach()
+                self.tracing.attach(TRACEPOINTS)
             else:
                 self.tracing.detach()
         for tp in self.raw:
@@ -130,7 +136,13 @@ def load_probe(feat, mode: str, bpf_dir: Path | None = None) -> Toggled:
     else:
         # The include path first, so its own sched.h is the one found.
         b = BPF(src_file=str(bpf_dir / "sched.bpf.c").encode(), cflags=[f"-I{bpf_dir}", *flags])
-    return Toggled(b, TracingPrograms(b, dict(feat.task_layout.btf_trace_ids)) if mode == "btf" else None)
+    if mode != "btf":
+        return Toggled(b)
+    # A variant of an older probe may attach to fewer tracepoints.
+    lib = __import__("bcc").libbcc.lib
+    ids = {name: tid for name, tid in feat.task_layout.btf_trace_ids
+           if lib.bpf_function_start(b.module, b"tp_btf__" + name.encode())}
+    return Toggled(b, TracingPrograms(b, ids))
 
 
 def load_floor(mode: str) -> Toggled:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.probe.bpfsys import btf_load, map_create, prog_load, raw_tracepoint_open
+from agent.probe.btf import WATCH_TRACEPOINTS
 from agent.probe.cache import MapDef, Programs, patch
 from agent.probe.features import PERF_FLAG_FD_CLOEXEC, PERF_TYPE_TRACEPOINT, lift_memlock_limit, syscall
 
@@ -132,6 +133,8 @@ def load(programs: Programs, tracefs: Path) -> Loaded:
                                                 programs.kern_version, p.expected_attach_type, p.attach_btf_id)
         for p in programs.programs:
             fd = loaded.programs[p.name]
+            if p.name in WATCH_TRACEPOINTS:   # the agent attaches these while it watches (Probe.watch)
+                continue
             if p.attach == "perf":
                 loaded.attachments.append(_perf_attach(fd, tracefs, p.category, p.name))
                 continue

@@ -372,8 +372,11 @@ def _tracepoint_params(btf: _Btf, tracepoint: str) -> int | None:
 TRACEPOINTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task", "sched_process_fork",
                "sched_process_exit")
 # and on raw and BTF-typed tracepoints, which pass the woken task: sched_waking,
-# in the waker's context (on_waking()).
-RAW_TRACEPOINTS = TRACEPOINTS + ("sched_waking",)
+# in the waker's context (on_waking()). It serves only the event stream, so it
+# is attached only while a service is watched (Probe.watch): a node whose
+# services send no spans pays nothing for it on its every wake-up.
+WATCH_TRACEPOINTS = ("sched_waking",)
+RAW_TRACEPOINTS = TRACEPOINTS + WATCH_TRACEPOINTS
 
 
 def _btf_tracing(btf: _Btf) -> dict:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 import agent
+from agent.probe.btf import TRACEPOINTS, WATCH_TRACEPOINTS
 from agent.probe.cache import CacheMiss, CacheProblem, ProgramCache, Programs, cache_key, kernel_identity
 from agent.probe.footprint import compiler_files, drop_page_cache, resident_peak
 
@@ -235,10 +236,13 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int], Callable[[str],
         raise
     maps, types = _bcc_maps(bpf)
     programs = {name.decode().rsplit("__", 1)[-1]: fn.fd for name, fn in bpf.funcs.items()}
+    for name in WATCH_TRACEPOINTS:   # BCC attached every raw program; the agent attaches these when it watches
+        if name.encode() in bpf.raw_tracepoint_fds:
+            bpf.detach_raw_tracepoint(tp=name.encode())
     attachments = [*bpf.tracepoint_fds.values(), *bpf.raw_tracepoint_fds.values()]
     if request["mode"] == "btf":
         tracing = TracingPrograms(bpf, request["trace_ids"])
-        tracing.attach()
+        tracing.attach(TRACEPOINTS)
         programs.update(tracing.prog_fds)
         attachments += tracing.link_fds
     reply, fds = _reply(maps, types, programs, attachments,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -24,13 +25,16 @@ import agent
 from agent.probe.features import ATTACH_MODES, Features
 import numpy as np
 
-from agent.probe.bpfsys import BpfMap, possible_cpus
+from agent.probe.bpfsys import BpfMap, possible_cpus, raw_tracepoint_open
+from agent.probe.btf import WATCH_TRACEPOINTS
 from agent.probe.build import Built, BuildError, BuildProcess, MapMemoryError, PendingBuild
 from agent.probe.layout import (BLAME_CACHE, ERROR_MAPS, HIST_CACHE, MAP_TYPES, NR_TALLY, TALLY_IOWAIT, TALLY_RUNQ,
                                 TF_KTHREAD, TS_RUNNING, BlameSlot, Ctl, HistSlot, TaskInfo)
 from agent.probe.snapshot import (BLAME_ROW, CGROUP_FIELDS, CGROUP_ROW, EVENT_ROW, HIST_ROW, KERNEL_CGID,
                                   ProbeSnapshot, ProgramStats, SchedEvent, events_of)
 from agent.probe.ring import RingReader
+
+log = logging.getLogger(__name__)
 
 BATCH = 4096
 ENOTSUPP = 524  # kernel-internal errno for an unsupported map operation; not in Python's errno
@@ -164,6 +168,7 @@ class Probe:
         self.load_mono_ns = monotonic_ns()
         self.load_wall = time.time()
         self._ring: RingReader | None = None   # the event stream, once something is watched
+        self._watch_links: list[int] = []       # the WATCH_TRACEPOINTS programs, attached while watching
         self._ctl = Ctl(gen=0, watch_on=0)
         self.mode = "classic"  # set by load(): "btf", "raw" or "classic" tracepoints
         # Why "auto" fell back from "btf" to "raw" on this kernel, if it did.
@@ -214,6 +219,7 @@ class Probe:
 
     def close(self) -> None:
         """Detach (the attachments go first) and release every map."""
+        self._attach_watch_programs(False)
         if self._ring is not None:
             self._ring.close()
             self._ring = None
@@ -242,8 +248,31 @@ class Probe:
         if cgids and self._ring is None:
             events = self._map("events")
             self._ring = RingReader(events.fd, events.max_entries, EVENT_ROW)
+        self._attach_watch_programs(bool(cgids))
         self._ctl.watch_on = 1 if cgids else 0
         self._write_ctl()
+
+    def _attach_watch_programs(self, on: bool) -> None:
+        """The programs that serve only the event stream (sched_waking: who
+        woke whom across processes) run while something is watched, and
+        cost nothing on the wake-ups of a node that watches nothing."""
+        if not on:
+            for fd in self._watch_links:
+                os.close(fd)
+            self._watch_links = []
+            return
+        if self._watch_links or self.mode == "classic":
+            return
+        for name in WATCH_TRACEPOINTS:
+            fd = self._built.programs.get(name)
+            if fd is None:
+                continue
+            link = raw_tracepoint_open(fd, name if self.mode == "raw" else None)
+            if link < 0:
+                log.warning("cannot attach the %s program (%s): a request's delay counts every process of "
+                            "its service", name, os.strerror(-link))
+                continue
+            self._watch_links.append(link)
 
     def _write_ctl(self) -> None:
         self._map("ctl").update(bytes(ct.c_uint32(0)), bytes(self._ctl))

@@ -63,9 +63,10 @@ class TracingPrograms:
             raise TracingError(f"the kernel refused the BTF-typed {name} program ({os.strerror(e.errno)}): "
                                f"{e.why}") from None
 
-    def attach(self) -> None:
+    def attach(self, names: tuple[str, ...] | None = None) -> None:
+        """Attach these programs (by tracepoint), or all of them."""
         for name, fd in self.prog_fds.items():
-            if name in self._links:
+            if name in self._links or (names is not None and name not in names):
                 continue
             link = raw_tracepoint_open(fd, None)
             if link < 0:
