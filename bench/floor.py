@@ -39,7 +39,8 @@ def load(mode: str):
     bpf = BPF(text=source(mode))
     if mode != "btf":
         return bpf, None
-    progs = TracingPrograms(bpf, dict(features.detect().task_layout.btf_trace_ids))
+    progs = TracingPrograms(bpf, {name: tid for name, tid in features.detect().task_layout.btf_trace_ids
+                                  if name in TRACEPOINTS})
     progs.attach()
     return bpf, progs
 
