@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 
 REQUIRE_KERNEL_ENV = "SLATRACE_REQUIRE_KERNEL"
+# Records the kernel's ring buffer may refuse in one scene, each counted (the
+# events error): from 6.15 its lock is a resilient spinlock, which gives up
+# (a timeout, a deadlock check) rather than wait, and it refused one record,
+# in a nearly empty 4 MiB buffer, in each of two runs of the whole suite
+# beside emulated guests. A scene whose checks are one for one allows none.
+RING_REFUSALS = 1
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
 
