@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from agent.probe.btf import TRACEPOINTS, WATCH_TRACEPOINTS
+from agent.probe.btf import TRACEPOINTS
+from agent.probe.build import detach_watch_programs
 from bench import floor, resample, workloads
 from bench.tools import RUNQLAT, die_with_parent
 from tests.support.scale import compile_worker
@@ -84,11 +85,8 @@ class Toggled:
     def __init__(self, bpf, tracing=None) -> None:
         self.bpf = bpf
         self.tracing = tracing
-        # What an agent that watches nothing attaches: not the event stream's
-        # own programs (BCC attached every raw one as it loaded them).
-        for tp in WATCH_TRACEPOINTS:
-            if tp.encode() in bpf.raw_tracepoint_fds:
-                bpf.detach_raw_tracepoint(tp=tp.encode())
+        # What an agent that watches nothing attaches.
+        detach_watch_programs(bpf)
         self.raw = list(bpf.raw_tracepoint_fds)
         self.classic = list(bpf.tracepoint_fds)
         if not self.raw and not self.classic and tracing is None:

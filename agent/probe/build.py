@@ -219,6 +219,14 @@ def _bcc_maps(bpf) -> tuple[dict[str, int], dict[str, tuple[str, str]]]:
     return fds, types
 
 
+def detach_watch_programs(bpf) -> None:
+    """BCC attaches every raw-tracepoint program as it loads them; the
+    WATCH_TRACEPOINTS ones are the agent's to attach while it watches."""
+    for name in WATCH_TRACEPOINTS:
+        if name.encode() in bpf.raw_tracepoint_fds:
+            bpf.detach_raw_tracepoint(tp=name.encode())
+
+
 def _compile_and_attach(request: dict) -> tuple[dict, list[int], Callable[[str], Programs] | None]:
     """Compile, load, attach: the reply, its fds, and what records the
     result for the cache (given the key)."""
@@ -236,9 +244,7 @@ def _compile_and_attach(request: dict) -> tuple[dict, list[int], Callable[[str],
         raise
     maps, types = _bcc_maps(bpf)
     programs = {name.decode().rsplit("__", 1)[-1]: fn.fd for name, fn in bpf.funcs.items()}
-    for name in WATCH_TRACEPOINTS:   # BCC attached every raw program; the agent attaches these when it watches
-        if name.encode() in bpf.raw_tracepoint_fds:
-            bpf.detach_raw_tracepoint(tp=name.encode())
+    detach_watch_programs(bpf)
     attachments = [*bpf.tracepoint_fds.values(), *bpf.raw_tracepoint_fds.values()]
     if request["mode"] == "btf":
         tracing = TracingPrograms(bpf, request["trace_ids"])
